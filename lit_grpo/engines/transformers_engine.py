@@ -1,0 +1,156 @@
+"""In-process rollout engine on a transformers causal LM: a private copy of the policy's weights, batched
+seeded sampling with a KV cache, one prompt prefill shared by the prompt's n completions."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
+from lit_grpo.math.logprobs import selective_log_softmax
+from lit_grpo.scoring import completion_logprobs, positions_from_mask
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device=device)
+            mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set to -inf the logits outside the smallest set whose probability reaches ``top_p`` (nucleus)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class TransformersEngine(RolloutEngine):
+    """Rollouts from a transformers model. With ``copy_weights=True`` (rollouts) it deep-copies the model, so
+    its weights stay those of the last sync; with ``False`` (evaluation) it samples from the model itself."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        eos_token_ids: Iterable[int],
+        pad_token_id: int,
+        copy_weights: bool = True,
+        rescore: bool = True,
+    ) -> None:
+        self.model = copy.deepcopy(model) if copy_weights else model
+        if copy_weights:
+            self.model.requires_grad_(False)
+        self.model.eval()
+        self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
+        if not self.eos_token_ids:
+            raise ValueError("the engine needs at least one end-of-sequence token id")
+        self.pad_token_id = int(pad_token_id)
+        self.rescore = rescore
+        self.synced_step = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to(self, device: torch.device | str) -> TransformersEngine:
+        self.model.to(device)
+        return self
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
+    ) -> list[list[Completion]]:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        was_training = self.model.training
+        self.model.eval()
+        device = self.device
+        generator = torch.Generator(device=device).manual_seed(int(seed))
+        ids, mask = left_pad(prompts, self.pad_token_id, device)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=True, logits_to_keep=1
+        )
+        expand = torch.arange(len(prompts), device=device).repeat_interleave(n)
+        cache = out.past_key_values
+        cache.batch_select_indices(expand)
+        logits = out.logits[:, -1][expand]
+        attention = mask[expand]
+        rows = expand.numel()
+        eos = torch.tensor(self.eos_token_ids, device=device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        tokens, logps = [], []
+        for _ in range(sampling.max_new_tokens):
+            scaled = logits.float() / sampling.temperature
+            probs = torch.softmax(top_p_filter(scaled, sampling.top_p), dim=-1)
+            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            sampled = torch.where(finished, torch.full_like(sampled, self.pad_token_id), sampled)
+            tokens.append(sampled)
+            logps.append(selective_log_softmax(scaled, sampled))
+            lengths += (~finished).long()
+            finished = finished | torch.isin(sampled, eos)
+            if bool(finished.all()) or len(tokens) == sampling.max_new_tokens:
+                break
+            attention = torch.cat([attention, (~finished).long().unsqueeze(-1)], dim=1)
+            logits = self.model(
+                input_ids=sampled.unsqueeze(-1),
+                attention_mask=attention,
+                position_ids=(attention.sum(-1, keepdim=True) - 1).clamp(min=0),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        if was_training:
+            self.model.train()
+        token_rows = torch.stack(tokens, dim=1).tolist()
+        logp_rows = torch.stack(logps, dim=1).tolist()
+        ended = finished.tolist()
+        results: list[list[Completion]] = []
+        for p in range(len(prompts)):
+            group = []
+            for j in range(n):
+                r = p * n + j
+                length = int(lengths[r])
+                group.append(Completion(token_rows[r][:length], logp_rows[r][:length], truncated=not ended[r]))
+            results.append(group)
+        return results
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        seen = set()
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"weight {name!r} does not exist in the rollout engine's model")
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+            seen.add(name)
+        missing = set(dict(self.model.named_parameters())) - seen
+        if missing:
+            raise KeyError(f"weight sync left {len(missing)} parameters untouched, e.g. {sorted(missing)[:3]}")
+        self.synced_step = int(step)
+
+    @torch.inference_mode()
+    def score(self, batch, temperature: float) -> torch.Tensor | None:  # noqa: ANN001
+        if not self.rescore:
+            return None
+        out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
+        for mb in batch.micro_batches():
+            logp, _ = completion_logprobs(self.model, mb, temperature)
+            out[mb.rows, : logp.shape[1]] = logp
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.model.named_parameters()}

@@ -1,0 +1,87 @@
+"""Per-token GRPO objective: eq. 7 (clipped surrogate minus beta * KL), or eq. 8 through the weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lit_grpo.math.kl import k3_kl
+from lit_grpo.math.surrogate import clip_bounds, clipped_surrogate, truncate_ratio
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """Knobs of the loss. ``exact_ref_ratio`` picks r' = pi_k / alpha in eq. 6; the default r' = 1 is the
+    approximation the paper uses in practice (section 3.2)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    beta: float = 0.0
+    exact_ref_ratio: bool = False
+    ratio_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.eps_low > 0:
+            raise ValueError(f"eps_low must be > 0 (the clip half-width of eq. 6), got {self.eps_low}")
+        if not self.eps_high > 0:
+            raise ValueError(f"eps_high must be > 0 (the clip half-width of eq. 6), got {self.eps_high}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0 (the KL weight of eq. 7), got {self.beta}")
+        if self.ratio_cap is not None and not self.ratio_cap > 0:
+            raise ValueError(f"ratio_cap must be > 0 or None, got {self.ratio_cap}")
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    alpha_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+    config: GRPOLossConfig,
+    pik_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss to minimise, ``-sum_t w_t [f_eps(pi/alpha, r', A) - beta * KL_k3(pi || pi_ref)]`` (eq. 7; eq. 8 when
+    the zero-variance mask is folded into ``weights``), and detached statistics.
+
+    Shapes: ``logp``, ``alpha_logp``, ``pik_logp``, ``ref_logp``, ``weights``, ``mask`` are ``[S, T]``
+    (sequences x completion tokens); ``advantages`` is ``[S]`` (one per completion, broadcast over its tokens).
+    ``weights`` come from :func:`lit_grpo.math.aggregation.token_weights`. Statistics are sums and extrema over
+    the tokens of ``mask`` so that micro-batches can be merged: ``tokens``, ``ratio_sum``, ``ratio_min``,
+    ``ratio_max``, ``clip_low``, ``clip_high``, ``kl_sum``.
+    """
+    ratio = truncate_ratio(torch.exp(logp - alpha_logp), config.ratio_cap)
+    if config.exact_ref_ratio:
+        if pik_logp is None:
+            raise ValueError("exact_ref_ratio needs pik_logp (the log-probs of pi_k, the policy before this batch)")
+        ref_ratio: torch.Tensor | float = torch.exp(pik_logp - alpha_logp).detach()
+    else:
+        ref_ratio = 1.0
+    adv = advantages.to(logp.dtype).unsqueeze(-1)
+    per_token = -clipped_surrogate(ratio, ref_ratio, adv, config.eps_low, config.eps_high)
+    kl = None
+    if config.beta > 0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp (the log-probs of pi_ref)")
+        kl = k3_kl(logp, ref_logp)
+        per_token = per_token + config.beta * kl
+    loss = (per_token * weights).sum()
+
+    with torch.no_grad():
+        m = mask.bool()
+        r = ratio.detach()
+        low, high = clip_bounds(ref_ratio, config.eps_low, config.eps_high)
+        clip_low = m & (adv < 0) & (r < low)
+        clip_high = m & (adv > 0) & (r > high)
+        inf = torch.tensor(float("inf"), dtype=r.dtype, device=r.device)
+        stats = {
+            "tokens": m.sum().to(torch.float64),
+            "ratio_sum": r[m].sum().to(torch.float64),
+            "ratio_min": r[m].min() if m.any() else inf,
+            "ratio_max": r[m].max() if m.any() else -inf,
+            "clip_low": clip_low.sum().to(torch.float64),
+            "clip_high": clip_high.sum().to(torch.float64),
+            "kl_sum": (kl.detach()[m].sum() if kl is not None else torch.zeros((), device=r.device)).to(torch.float64),
+        }
+    return loss, stats

