@@ -1,0 +1,45 @@
+"""The small protocol the callbacks rely on, so they work in any LightningModule.
+
+- Policy: ``pl_module.policy`` (an ``nn.Module``); without that attribute the LightningModule itself is the policy.
+- Reference (``RefModelSwap``): ``pl_module.reference``, an ``nn.Module`` with the policy's parameter layout,
+  or ``None`` (nothing to swap; stages are still counted).
+- Rollout engine (``WeightSync``): passed to the callback, or found as ``trainer.datamodule.rollout_engine`` or
+  ``pl_module.rollout_engine``. It needs ``load_weights(named_tensors, step)`` and ``synced_step``; with
+  ``state_dict()`` / ``load_state_dict(state, step)`` a lagging engine survives a restart exactly.
+- Tokenizer (``GSM8KPassAtK``): ``pl_module.tokenizer``, a Hugging Face tokenizer; the policy a HF causal LM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+
+def policy_of(pl_module: L.LightningModule) -> nn.Module:
+    return getattr(pl_module, "policy", pl_module)
+
+
+def engine_of(trainer: L.Trainer, pl_module: L.LightningModule, explicit: Any = None) -> Any:
+    if explicit is not None:
+        return explicit
+    datamodule = getattr(trainer, "datamodule", None)
+    for owner in (datamodule, pl_module):
+        engine = getattr(owner, "rollout_engine", None)
+        if engine is not None:
+            return engine
+    raise RuntimeError(
+        "no rollout engine: pass one to the callback or expose it as `datamodule.rollout_engine` "
+        "or `pl_module.rollout_engine`"
+    )
+
+
+def full_named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full (unsharded) parameters by name. Sharded (FSDP2 DTensor) parameters are gathered one at a time,
+    which every rank must do together; plain modules hand out their tensors without a copy."""
+    for name, param in module.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        yield name, full.detach()

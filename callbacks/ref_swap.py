@@ -1,0 +1,72 @@
+"""`RefModelSwap`: set pi_ref to the current policy at the end of each stage (Algorithm 1, line 16)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lit_grpo.callbacks.protocol import policy_of
+
+
+class RefModelSwap(Callback):
+    """Copy the policy's weights into ``pl_module.reference`` every ``every_n_epochs`` epochs or every
+    ``every_n_steps`` optimizer steps (default: every epoch), at most ``max_swaps`` times (the paper's S stages).
+
+    ``reset_optimizer`` also clears the optimizer's moment estimates at each swap. After a swap,
+    ``KL(pi || pi_ref)`` is exactly 0 until the next update.
+    """
+
+    def __init__(self, every_n_epochs: int | None = None, every_n_steps: int | None = None,
+                 max_swaps: int | None = None, reset_optimizer: bool = False) -> None:
+        if every_n_epochs is not None and every_n_steps is not None:
+            raise ValueError("set one of every_n_epochs or every_n_steps for the stage length, not both")
+        if every_n_epochs is None and every_n_steps is None:
+            every_n_epochs = 1
+        for name, value in (("every_n_epochs", every_n_epochs), ("every_n_steps", every_n_steps)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if max_swaps is not None and max_swaps < 0:
+            raise ValueError(f"max_swaps must be >= 0 or None, got {max_swaps}")
+        self.every_n_epochs = every_n_epochs
+        self.every_n_steps = every_n_steps
+        self.max_swaps = max_swaps
+        self.reset_optimizer = reset_optimizer
+        self.swaps = 0
+        self.last_swap_step = -1
+        self.stages_done = 0
+
+    @torch.no_grad()
+    def swap(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.stages_done += 1
+        if self.max_swaps is not None and self.swaps >= self.max_swaps:
+            return
+        reference = getattr(pl_module, "reference", None)
+        if reference is not None:
+            for ref_param, param in zip(reference.parameters(), policy_of(pl_module).parameters(), strict=True):
+                ref_param.copy_(param)
+        if self.reset_optimizer:
+            for optimizer in trainer.optimizers:
+                optimizer.state.clear()
+        self.swaps += 1
+        self.last_swap_step = trainer.global_step
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.every_n_epochs is not None and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self.swap(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.every_n_steps is not None and trainer.global_step // self.every_n_steps > self.stages_done:
+            self.swap(trainer, pl_module)
+        pl_module.log("ref/swaps", float(self.swaps), on_step=True, batch_size=1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"swaps": self.swaps, "last_swap_step": self.last_swap_step, "stages_done": self.stages_done}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.swaps = int(state_dict["swaps"])
+        self.last_swap_step = int(state_dict["last_swap_step"])
+        self.stages_done = int(state_dict["stages_done"])

@@ -1,0 +1,230 @@
+"""`RolloutDataModule`: GSM8K prompts in, rollout batches (completions, rewards, advantages) out.
+
+The loader yields only prompt indices; completions are generated in ``on_after_batch_transfer``, which Lightning
+calls right before ``training_step``. Lightning fetches one batch ahead of the step it trains on, so
+generating inside the dataset's ``__iter__`` would sample batch k+1 before the weight sync that follows step k;
+generating here guarantees that each batch comes from the engine weights of the step just finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lit_grpo.batch import RolloutBatch
+from lit_grpo.data.gsm8k import load_gsm8k
+from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, eos_token_ids, prompt_ids
+from lit_grpo.data.rewards import RewardRunner
+from lit_grpo.data.rollout import collate_rollouts, rollout_stats
+from lit_grpo.engines.base import RolloutEngine, SamplingConfig
+
+ENGINES = ("transformers", "vllm")
+
+
+@dataclass
+class PromptBatch:
+    """Which rows of the dataset make up rollout batch number ``batch_index`` (counted over all epochs)."""
+
+    rows: list[int]
+    batch_index: int
+
+
+class PromptStream(IterableDataset):
+    """Shuffled prompt indices, ``prompts_per_step`` at a time; each epoch is a fresh seeded permutation.
+
+    Iteration resumes from the data module's count of consumed batches, so a restarted run continues with
+    the next unseen prompts.
+    """
+
+    def __init__(self, owner: RolloutDataModule) -> None:
+        self.owner = owner
+
+    def __len__(self) -> int:
+        return self.owner.batches_per_epoch
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        owner = self.owner
+        per_epoch = owner.batches_per_epoch
+        start = owner.consumed
+        epoch = start // per_epoch
+        order = owner.epoch_order(epoch)
+        for b in range(start - epoch * per_epoch, per_epoch):
+            chunk = order[b * owner.prompts_per_step : (b + 1) * owner.prompts_per_step]
+            yield PromptBatch(rows=chunk, batch_index=epoch * per_epoch + b)
+
+
+class RolloutDataModule(L.LightningDataModule):
+    """Prompts from GSM8K, G completions each from the rollout engine, rewards and group advantages.
+
+    Args:
+        dataset: ``"bundled"`` (the GSM8K copy in the package), a local jsonl/parquet path, or a Hub id
+            such as ``openai/gsm8k``.
+        prompts_per_step: prompts per rollout batch (per process).
+        num_generations: G, completions per prompt (>= 2: a group needs a spread to whiten).
+        micro_batch_size: completions per forward/backward pass.
+        max_new_tokens, temperature, top_p: sampling (log-probs use ``logits / temperature``).
+        rewards: reward functions by short name (``correctness``, ``format``) or import path
+            ``package.module:function``; ``reward_weights`` weigh them (default 1 each).
+        scale_rewards: divide by the group std (eq. 2); ``False`` centres only (Dr.GRPO).
+        engine: ``"transformers"`` (in-process copy of the policy) or ``"vllm"`` (colocated vLLM);
+            ``engine_options`` go to its constructor.
+        max_prompts: use only the first N rows after a seeded shuffle (quick runs).
+    """
+
+    def __init__(
+        self,
+        dataset: str = "bundled",
+        split: str = "train",
+        prompts_per_step: int = 2,
+        num_generations: int = 8,
+        micro_batch_size: int = 8,
+        max_new_tokens: int = 200,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        rewards: list[str] | None = None,
+        reward_weights: list[float] | None = None,
+        reward_timeout_s: float = 5.0,
+        advantage_eps: float = 1e-4,
+        scale_rewards: bool = True,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        engine: str = "transformers",
+        engine_options: dict[str, Any] | None = None,
+        max_prompts: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if num_generations < 2:
+            raise ValueError(f"num_generations (G) must be >= 2 to form a group advantage, got {num_generations}")
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+        if advantage_eps <= 0:
+            raise ValueError(f"advantage_eps must be > 0 (inside the square root of eq. 2), got {advantage_eps}")
+        if max_prompts is not None and max_prompts < 1:
+            raise ValueError(f"max_prompts must be >= 1 or None, got {max_prompts}")
+        self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        specs = list(rewards) if rewards else ["correctness"]
+        if reward_weights is not None and len(reward_weights) != len(specs):
+            raise ValueError(f"reward_weights has {len(reward_weights)} entries for {len(specs)} rewards {specs}")
+        weights = reward_weights or [1.0] * len(specs)
+        self.reward_runner = RewardRunner(list(zip(specs, weights)), timeout_s=reward_timeout_s)
+        self.rows = load_gsm8k(dataset, split=split)
+        if max_prompts is not None:
+            keep = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(seed))[:max_prompts]
+            self.rows = [self.rows[i] for i in keep.tolist()]
+        if len(self.rows) < prompts_per_step:
+            raise ValueError(f"dataset {dataset!r} has {len(self.rows)} rows, fewer than prompts_per_step={prompts_per_step}")
+        self.prompts_per_step = prompts_per_step
+        self.num_generations = num_generations
+        self.micro_batch_size = micro_batch_size
+        self.advantage_eps = advantage_eps
+        self.scale_rewards = scale_rewards
+        self.system_prompt = system_prompt
+        self.engine_kind = engine
+        self.engine_options = dict(engine_options or {})
+        self.seed = seed
+        self.consumed = 0
+        self.rollout_engine: RolloutEngine | None = None
+        self.tokenizer = None
+        self._prompt_cache: dict[int, list[int]] = {}
+        self.reward_errors = 0
+        self.reward_timeouts = 0
+
+    # ---- prompt order -------------------------------------------------------------------------------
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.rows) // self.prompts_per_step
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(len(self.rows), generator=generator).tolist()
+
+    # ---- Lightning hooks ----------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.rollout_engine is not None:
+            return
+        module = self.trainer.lightning_module
+        for attr in ("policy", "tokenizer"):
+            if not hasattr(module, attr):
+                raise TypeError(f"RolloutDataModule needs the LightningModule to expose `{attr}`")
+        self.tokenizer = module.tokenizer
+        self.rollout_engine = self.build_engine(module)
+
+    def build_engine(self, module: L.LightningModule) -> RolloutEngine:
+        eos = eos_token_ids(self.tokenizer, module.policy)
+        if self.engine_kind == "transformers":
+            from lit_grpo.engines.transformers_engine import TransformersEngine
+
+            return TransformersEngine(module.policy, eos, self.tokenizer.pad_token_id, **self.engine_options)
+        from lit_grpo.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(module.hparams.model_name, tokenizer=self.tokenizer, **self.engine_options)
+
+    def train_dataloader(self) -> DataLoader:
+        # batch_size=None: the stream already yields whole batches; num_workers=0: generation needs the
+        # trainer's process (weights, device).
+        return DataLoader(PromptStream(self), batch_size=None, num_workers=0)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if isinstance(batch, PromptBatch):
+            return self.rollout(batch)
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self.consumed, "seed": self.seed, "reward_errors": self.reward_errors,
+                "reward_timeouts": self.reward_timeouts}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.consumed = int(state_dict["consumed"])
+        self.reward_errors = int(state_dict.get("reward_errors", 0))
+        self.reward_timeouts = int(state_dict.get("reward_timeouts", 0))
+        if int(state_dict["seed"]) != self.seed:
+            raise ValueError(f"checkpoint was written with data seed {state_dict['seed']}, this run uses {self.seed}")
+
+    # ---- rollouts -----------------------------------------------------------------------------------
+    def prompt_ids(self, row: int) -> list[int]:
+        if row not in self._prompt_cache:
+            self._prompt_cache[row] = prompt_ids(self.tokenizer, self.rows[row]["question"], self.system_prompt)
+        return self._prompt_cache[row]
+
+    def rollout(self, prompt_batch: PromptBatch) -> RolloutBatch:
+        """Sample G completions per prompt with the engine's current weights, score them and assemble the batch."""
+        engine = self.rollout_engine
+        device = self.trainer.lightning_module.device if self.trainer is not None else torch.device("cpu")
+        engine.to(device)
+        prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
+        start = time.perf_counter()
+        seed = self.seed * 1_000_003 + prompt_batch.batch_index
+        groups = engine.generate(prompts, self.num_generations, self.sampling, seed=seed)
+        generate_seconds = time.perf_counter() - start
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+        answers = [self.rows[r]["answer"] for r in prompt_batch.rows for _ in range(self.num_generations)]
+        scored = self.reward_runner(texts, answers)
+        self.reward_errors += scored.errors
+        self.reward_timeouts += scored.timeouts
+        batch = collate_rollouts(
+            prompts, groups, scored.rewards, self.tokenizer.pad_token_id, self.micro_batch_size,
+            self.advantage_eps, self.scale_rewards, device,
+        )
+        alpha = engine.score(batch, self.sampling.temperature)
+        batch.alpha_logp = alpha if alpha is not None else batch.sampler_logp
+        batch.batch_index = prompt_batch.batch_index
+        batch.rollout_step = engine.synced_step
+        batch.stats = rollout_stats(batch)
+        batch.stats.update(
+            rollout_seconds=time.perf_counter() - start,
+            generate_seconds=generate_seconds,
+            reward_errors=float(self.reward_errors),
+            reward_timeouts=float(self.reward_timeouts),
+        )
+        self.consumed = prompt_batch.batch_index + 1
+        return batch

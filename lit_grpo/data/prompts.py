@@ -1,0 +1,38 @@
+"""Turning a GSM8K question into prompt token ids with the model's chat template."""
+
+from __future__ import annotations
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Solve the math word problem. Reason step by step, then write the final answer as a number "
+    "on the last line in the form '#### <answer>'."
+)
+
+
+def prompt_ids(tokenizer, question: str, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT) -> list[int]:  # noqa: ANN001
+    """Token ids of the chat-formatted prompt, ending with the assistant turn's opening.
+
+    Tokenizers without a chat template get a plain ``Question: ... Answer:`` layout.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": question})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = (f"{system_prompt}\n\n" if system_prompt else "") + f"Question: {question}\nAnswer:"
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def eos_token_ids(tokenizer, model=None) -> list[int]:  # noqa: ANN001
+    """End-of-sequence ids: the tokenizer's and those of the model's generation config (e.g. Qwen's two)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_config = getattr(model, "generation_config", None)
+    extra = getattr(generation_config, "eos_token_id", None)
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra:
+        ids.update(int(t) for t in extra)
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token_id; set one so completions can end")
+    return sorted(ids)

@@ -1,0 +1,219 @@
+"""`GRPOModule`: policy, frozen reference and the clipped off-policy GRPO loss, trained with manual optimization.
+
+One rollout batch -> ``iterations_per_batch`` (the paper's i) optimizer steps; each step runs every
+micro-batch forward and backward, clips gradients and steps AdamW. The math lives in ``lit_grpo.math``.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+
+from lit_grpo.batch import RolloutBatch
+from lit_grpo.math.aggregation import AGGREGATION_MODES, token_weights
+from lit_grpo.math.objective import GRPOLossConfig, grpo_loss
+from lit_grpo.models import disable_dropout, load_model_and_tokenizer
+from lit_grpo.optim import SCHEDULES, build_optimizer
+from lit_grpo.scoring import completion_logprobs
+
+
+class GRPOModule(L.LightningModule):
+    """GRPO objective (7) of Mroueh et al., or (8) with ``mask_zero_variance``.
+
+    Args:
+        model_name: alias (``smollm2-135m-instruct``, ``tiny-random-llama``), local directory or Hub id.
+        beta: KL weight; 0 loads no reference model.
+        eps_low, eps_high: clip half-widths of eq. 6 (``eps_high`` defaults to ``eps_low``).
+        exact_ref_ratio: use r' = pi_k / alpha in eq. 6 instead of the paper's practical r' = 1.
+        ratio_cap: truncated importance sampling, ``pi/alpha <= ratio_cap``.
+        mask_zero_variance: drop groups whose rewards are all equal (eq. 8).
+        loss_aggregation: ``token_mean``, ``seq_mean_token_mean`` or ``constant`` (Dr.GRPO).
+        iterations_per_batch: i, optimizer steps on each rollout batch.
+        temperature: sampling temperature (linked from the data module by the CLI).
+        max_completion_length: normaliser of the ``constant`` aggregation (linked from ``max_new_tokens``).
+    """
+
+    def __init__(
+        self,
+        model_name: str = "tiny-random-llama",
+        dtype: str = "float32",
+        beta: float = 0.0,
+        eps_low: float = 0.2,
+        eps_high: float | None = None,
+        exact_ref_ratio: bool = False,
+        ratio_cap: float | None = None,
+        mask_zero_variance: bool = False,
+        loss_aggregation: str = "token_mean",
+        iterations_per_batch: int = 1,
+        temperature: float = 1.0,
+        max_completion_length: int = 200,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        adam_betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        gradient_clip_val: float | None = 1.0,
+        gradient_checkpointing: bool = False,
+        log_entropy: bool = True,
+    ) -> None:
+        super().__init__()
+        if iterations_per_batch < 1:
+            raise ValueError(f"iterations_per_batch (i) must be >= 1, got {iterations_per_batch}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if loss_aggregation not in AGGREGATION_MODES:
+            raise ValueError(f"unknown loss_aggregation {loss_aggregation!r}; expected one of {AGGREGATION_MODES}")
+        if lr_schedule not in SCHEDULES:
+            raise ValueError(f"unknown lr_schedule {lr_schedule!r}; expected one of {SCHEDULES}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
+        self.loss_config = GRPOLossConfig(
+            eps_low=eps_low, eps_high=eps_low if eps_high is None else eps_high, beta=beta,
+            exact_ref_ratio=exact_ref_ratio, ratio_cap=ratio_cap,
+        )
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.policy, self.tokenizer = load_model_and_tokenizer(model_name, dtype)
+        disable_dropout(self.policy)
+        if gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        self.reference = None
+        if beta > 0:
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
+
+    # ---- optimisation -------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        hp = self.hparams
+        total = None
+        if self.trainer is not None and hp.lr_schedule != "constant":
+            total = self.trainer.max_steps if self.trainer.max_steps > 0 else None
+        optimizer, scheduler = build_optimizer(
+            self.policy.parameters(), hp.lr, hp.weight_decay, tuple(hp.adam_betas), hp.warmup_steps, total, hp.lr_schedule
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def loss_weights(self, batch: RolloutBatch) -> torch.Tensor:
+        mask = batch.completion_mask.float()
+        if self.hparams.mask_zero_variance:
+            mask = mask * batch.group_mask.unsqueeze(-1)
+        return token_weights(mask, self.hparams.loss_aggregation, self.hparams.max_completion_length)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor | None]:
+        if self.reference is None:
+            return [None for _ in batch.micro_batches()]
+        self.reference.eval()
+        return [completion_logprobs(self.reference, mb, self.hparams.temperature)[0] for mb in batch.micro_batches()]
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
+        hp = self.hparams
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        staleness = self.global_step - batch.rollout_step
+        start = time.perf_counter()
+        weights = self.loss_weights(batch)
+        ref_logps = self.reference_logprobs(batch)
+        pik_logps: list[torch.Tensor | None] = [None] * len(ref_logps)
+        iteration_stats, losses, entropy_sum = [], [], torch.zeros((), dtype=torch.float64)
+        for iteration in range(hp.iterations_per_batch):
+            totals: dict[str, torch.Tensor] = {}
+            loss_total = torch.zeros((), dtype=torch.float64)
+            for j, mb in enumerate(batch.micro_batches()):
+                want_entropy = hp.log_entropy and iteration == 0
+                logp, entropy = completion_logprobs(self.policy, mb, hp.temperature, with_entropy=want_entropy)
+                if iteration == 0:
+                    pik_logps[j] = logp.detach()
+                    if entropy is not None:
+                        entropy_sum += (entropy * mb.completion_mask).sum().double().cpu()
+                loss, stats = grpo_loss(
+                    logp, mb.take(batch.alpha_logp), mb.take(batch.advantages), mb.take(weights),
+                    mb.completion_mask, self.loss_config, pik_logp=pik_logps[j], ref_logp=ref_logps[j],
+                )
+                self.manual_backward(loss)
+                loss_total += loss.detach().double().cpu()
+                merge_stats(totals, stats)
+            if hp.gradient_clip_val:
+                self.clip_gradients(optimizer, gradient_clip_val=hp.gradient_clip_val, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            iteration_stats.append(totals)
+            losses.append(loss_total)
+        update_seconds = time.perf_counter() - start
+        self.log_step(batch, iteration_stats, losses, entropy_sum, staleness, update_seconds)
+        return torch.stack(losses).mean()
+
+    # ---- logging --------------------------------------------------------------------------------------
+    def log_step(self, batch: RolloutBatch, iteration_stats: list[dict], losses: list[torch.Tensor],
+                 entropy_sum: torch.Tensor, staleness: int, update_seconds: float) -> None:
+        tokens = float(iteration_stats[0]["tokens"])
+        denom = max(tokens, 1.0)
+        merged: dict[str, torch.Tensor] = {}
+        for stats in iteration_stats:
+            merge_stats(merged, stats)
+        all_tokens = max(float(merged["tokens"]), 1.0)
+        first = iteration_stats[0]
+        metrics = {
+            "train/loss": float(torch.stack(losses).mean()),
+            "train/loss_first_iteration": float(losses[0]),
+            "train/kl": float(first["kl_sum"]) / denom,
+            "train/entropy": float(entropy_sum) / denom,
+            "train/clip_low_fraction": float(merged["clip_low"]) / all_tokens,
+            "train/clip_high_fraction": float(merged["clip_high"]) / all_tokens,
+            "train/ratio_mean": float(merged["ratio_sum"]) / all_tokens,
+            "train/ratio_min": float(merged["ratio_min"]),
+            "train/ratio_max": float(merged["ratio_max"]),
+            "train/ratio_first_iteration_min": float(first["ratio_min"]),
+            "train/ratio_first_iteration_max": float(first["ratio_max"]),
+            "train/staleness": float(staleness),
+            "train/update_seconds": update_seconds,
+            "train/update_tokens_per_second": tokens * len(iteration_stats) / max(update_seconds, 1e-9),
+            "train/lr": float(self.lr_schedulers().get_last_lr()[0]),
+        }
+        for key, value in batch.stats.items():
+            metrics[f"rollout/{key}"] = float(value)
+        metrics["rollout/tokens_per_second"] = batch.stats.get("generated_tokens", 0.0) / max(
+            batch.stats.get("generate_seconds", 0.0), 1e-9)
+        batch_size = batch.num_sequences
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
+        self.log("reward", batch.stats.get("reward_mean", 0.0), prog_bar=True, on_step=True, batch_size=batch_size)
+        self.log("staleness", float(staleness), prog_bar=True, on_step=True, batch_size=batch_size)
+
+    # ---- exact resume -------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        checkpoint["rng_states"] = rng
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        rng = checkpoint.get("rng_states")
+        if not rng:
+            return
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def merge_stats(into: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
+    """Fold one micro-batch's statistics into running totals (sums add, extrema combine)."""
+    for key, value in stats.items():
+        value = value.detach().double().cpu()
+        if key not in into:
+            into[key] = value
+        elif key.endswith("_min"):
+            into[key] = torch.minimum(into[key], value)
+        elif key.endswith("_max"):
+            into[key] = torch.maximum(into[key], value)
+        else:
+            into[key] = into[key] + value

@@ -1,0 +1,54 @@
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+sys.path.insert(0, str(Path(__file__).parent))  # toy_rewards importable by path, in-process and in subprocesses
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+from lit_grpo.data.datamodule import RolloutDataModule  # noqa: E402
+from lit_grpo.module import GRPOModule  # noqa: E402
+
+TOY_REWARD = "toy_rewards:digit_fraction"
+
+
+class MetricsRecorder(Callback):
+    """Keeps a copy of every step's logged metrics."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def tiny_module(**overrides) -> GRPOModule:
+    kwargs = dict(model_name="tiny-random-llama", lr=1e-3, temperature=1.0, max_completion_length=8)
+    kwargs.update(overrides)
+    return GRPOModule(**kwargs)
+
+
+def tiny_data(**overrides) -> RolloutDataModule:
+    kwargs = dict(prompts_per_step=2, num_generations=4, micro_batch_size=4, max_new_tokens=8, temperature=1.0,
+                  rewards=[TOY_REWARD], max_prompts=32, system_prompt=None, seed=0)
+    kwargs.update(overrides)
+    return RolloutDataModule(**kwargs)
+
+
+def tiny_trainer(tmp_path, max_steps: int, callbacks=(), **overrides) -> L.Trainer:
+    kwargs = dict(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                  callbacks=list(callbacks))
+    kwargs.update(overrides)
+    return L.Trainer(**kwargs)
+
+
+@pytest.fixture
+def recorder() -> MetricsRecorder:
+    return MetricsRecorder()

@@ -1,0 +1,96 @@
+"""The on-/off-policy invariants of Table 1, checked on real fits of a tiny model."""
+
+import torch
+
+from conftest import tiny_data, tiny_module, tiny_trainer
+from lit_grpo.callbacks import RefModelSwap, WeightSync
+
+
+def test_v1_i1_ratio_is_one_at_first_iteration_every_step(tmp_path, recorder):
+    module, data = tiny_module(), tiny_data()
+    trainer = tiny_trainer(tmp_path, max_steps=4, callbacks=[WeightSync(every_n_steps=1), recorder])
+    trainer.fit(module, datamodule=data)
+    assert len(recorder.steps) == 4
+    for step in recorder.steps:
+        assert abs(step["train/ratio_first_iteration_min"] - 1.0) <= 1e-6
+        assert abs(step["train/ratio_first_iteration_max"] - 1.0) <= 1e-6
+        assert step["train/staleness"] == 0.0
+    # the policy really moved, so a missed sync would have shown up as a ratio != 1
+    assert recorder.steps[-1]["sync/count"] == 4.0  # one sync after every step
+
+
+def test_v4_staleness_cycles_and_engine_weights_follow_syncs(tmp_path, recorder):
+    module, data = tiny_module(), tiny_data()
+    snapshots = []
+    sync = WeightSync(every_n_steps=4)
+
+    class CompareWeights(type(recorder)):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            engine = trainer.datamodule.rollout_engine
+            same = all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), pl_module.policy.parameters()))
+            snapshots.append((trainer.global_step, engine.synced_step, same))
+
+    trainer = tiny_trainer(tmp_path, max_steps=9, callbacks=[sync, CompareWeights(), recorder])
+    trainer.fit(module, datamodule=data)
+    staleness = [s["train/staleness"] for s in recorder.steps]
+    assert staleness == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    for global_step, synced_step, same in snapshots:
+        assert same == (global_step == synced_step), (global_step, synced_step, same)
+    assert [s for _, s, _ in snapshots] == [0, 0, 0, 4, 4, 4, 4, 8, 8]
+    # between syncs the ratio at the first iteration is no longer 1: alpha lags pi
+    lagged = [s for s in recorder.steps if s["train/staleness"] > 0]
+    assert any(abs(s["train/ratio_first_iteration_max"] - 1.0) > 1e-4 for s in lagged)
+
+
+def test_v1_i4_ratio_moves_after_first_iteration_and_clipping_fires(tmp_path, recorder):
+    module = tiny_module(iterations_per_batch=4, lr=5e-3, eps_low=0.01)
+    data = tiny_data()
+    trainer = tiny_trainer(tmp_path, max_steps=8, callbacks=[WeightSync(every_n_steps=1), recorder])
+    trainer.fit(module, datamodule=data)
+    assert len(recorder.steps) == 2  # 2 rollout batches x 4 optimizer steps
+    for step in recorder.steps:
+        assert abs(step["train/ratio_first_iteration_max"] - 1.0) <= 1e-6
+        assert step["train/ratio_max"] > 1.0 + 1e-3 or step["train/ratio_min"] < 1.0 - 1e-3
+        assert step["train/clip_low_fraction"] + step["train/clip_high_fraction"] > 0.0
+
+
+def test_masking_equal_reward_groups_gives_zero_loss_and_gradient(tmp_path):
+    module = tiny_module(mask_zero_variance=True, beta=0.1)
+    data = tiny_data(rewards=["format"])  # a random model never ends with '#### N': every group is all zeros
+    trainer = tiny_trainer(tmp_path, max_steps=1)
+    trainer.strategy.connect(module)
+    data.trainer = trainer
+    trainer.datamodule = data  # engine lookup through the trainer
+    data.setup("fit")
+    prompt_batch = next(iter(data.train_dataloader()))
+    batch = data.rollout(prompt_batch)
+    assert batch.group_mask.sum() == 0 and torch.all(batch.advantages == 0)
+    weights = module.loss_weights(batch)
+    from lit_grpo.math import grpo_loss
+    from lit_grpo.scoring import completion_logprobs
+
+    ref = module.reference_logprobs(batch)
+    total = torch.zeros(())
+    for j, mb in enumerate(batch.micro_batches()):
+        logp, _ = completion_logprobs(module.policy, mb, 1.0)
+        loss, _ = grpo_loss(logp, mb.take(batch.alpha_logp), mb.take(batch.advantages), mb.take(weights),
+                            mb.completion_mask, module.loss_config, ref_logp=ref[j])
+        loss.backward()
+        total = total + loss.detach()
+    assert total.item() == 0.0
+    grads = [p.grad for p in module.policy.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() and g.abs().max() == 0 for g in grads)
+
+
+def test_kl_is_zero_right_after_ref_swap(tmp_path, recorder):
+    module = tiny_module(beta=0.1, lr=1e-2)
+    data = tiny_data(prompts_per_step=2, max_prompts=8)  # 4 batches per epoch
+    swap = RefModelSwap(every_n_steps=3)
+    trainer = tiny_trainer(tmp_path, max_steps=5, callbacks=[WeightSync(every_n_steps=1), swap, recorder])
+    trainer.fit(module, datamodule=data)
+    kl = [s["train/kl"] for s in recorder.steps]
+    assert kl[0] == 0.0  # reference == initial policy
+    assert kl[1] > 0 and kl[2] > 0  # policy moved away from the reference
+    assert kl[3] == 0.0  # swap happened at the end of step 3
+    assert kl[4] > 0
+    assert swap.swaps == 1

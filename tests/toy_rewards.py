@@ -1,0 +1,6 @@
+"""A reward with spread for a random tiny model (GSM8K correctness is ~always 0 for it), loaded by import path."""
+
+
+def digit_fraction(completion: str, answer: str, **kwargs) -> float:
+    """Fraction of characters that are digits: varies between completions, so groups have variance."""
+    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
