@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from lightning.pytorch.cli import LightningCLI
 
 from lit_grpo.data.datamodule import RolloutDataModule
@@ -17,6 +19,9 @@ class GRPOCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> GRPOCLI:
+    # A checkpoint taken after a training step holds the state after all of that step's optimizer steps,
+    # together with the data position and counters of the same moment: exactly what an exact resume needs.
+    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     return GRPOCLI(
         GRPOModule,
         RolloutDataModule,

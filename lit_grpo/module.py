@@ -83,11 +83,13 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         self.policy, self.tokenizer = load_model_and_tokenizer(model_name, dtype)
         disable_dropout(self.policy)
+        self.policy.train()  # from_pretrained returns eval mode; with dropout off the two modes compute the same
         if gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.reference = None
         if beta > 0:
-            self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
+            # frozen; left in train mode like the policy (dropout is already off) so Lightning's mode checks stay quiet
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False)
 
     # ---- optimisation -------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -110,7 +112,6 @@ class GRPOModule(L.LightningModule):
     def reference_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor | None]:
         if self.reference is None:
             return [None for _ in batch.micro_batches()]
-        self.reference.eval()
         return [completion_logprobs(self.reference, mb, self.hparams.temperature)[0] for mb in batch.micro_batches()]
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
@@ -189,7 +190,10 @@ class GRPOModule(L.LightningModule):
 
     # ---- exact resume -------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        # plain types only, so the checkpoint loads with torch.load(weights_only=True)
+        rng = {"torch": torch.get_rng_state(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos),
+               int(has_gauss), float(cached)), "python": random.getstate()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         checkpoint["rng_states"] = rng
@@ -199,7 +203,8 @@ class GRPOModule(L.LightningModule):
         if not rng:
             return
         torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
+        kind, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
         random.setstate(rng["python"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])

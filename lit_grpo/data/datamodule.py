@@ -9,6 +9,7 @@ generating here guarantees that each batch comes from the engine weights of the 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -171,7 +172,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         # batch_size=None: the stream already yields whole batches; num_workers=0: generation needs the
-        # trainer's process (weights, device).
+        # trainer's process (weights, device), so Lightning's warning about __len__ with workers cannot apply.
+        warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
         return DataLoader(PromptStream(self), batch_size=None, num_workers=0)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

@@ -1,0 +1,392 @@
+"""Rule-based rewards for math answers, and a runner that keeps a bad reward function from stopping training.
+
+Everything here is plain Python: rewards are scored on decoded text, on the CPU, outside the Lightning loop.
+
+Answer extraction (:func:`extract_final_answer`) decides what a completion's final answer *is*; the
+comparison (:func:`correctness_reward`) decides whether it equals the gold answer. Both are kept lenient
+about presentation (``$1,000`` vs ``1000``, ``18.0`` vs ``18``) and strict about value, so the policy is
+rewarded for the right number, and :func:`format_reward` separately rewards the GSM8K ``#### <number>`` form.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import math
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from math_verify import parse, verify
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., float]
+
+# A number as written in prose or LaTeX: optional minus (not when glued to a preceding word or number, so
+# "3-4" is two numbers), an integer with or without comma thousands separators (groups of exactly three
+# digits, so "3, 4" and "3,4" stay two numbers), an optional decimal part, or a bare ".5".
+_NUMBER = r"(?:(?<![\w.])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<!\d)\.\d+)"
+# A final answer token: a number, or a simple fraction "a/b" (what `\frac{a}{b}` is rewritten to).
+_ANSWER_TOKEN = re.compile(rf"({_NUMBER})(?:\s*/\s*({_NUMBER}))?")
+_FRAC = re.compile(rf"\\[dt]?frac\s*\{{\s*({_NUMBER})\s*\}}\s*\{{\s*({_NUMBER})\s*\}}")
+_BOXED = re.compile(r"\\boxed\s*\{")
+# LaTeX spellings of a thousands separator inside a number: 1{,}000, 1\,000, 1\!000.
+_LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:\{,\}|\\[,!]\s*)(?=\d{3}(?!\d))")
+_FORMAT_LINE = re.compile(r"(?:\A|\n)[ \t]*####[ \t]*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\Z")
+
+BUILTIN_REWARDS: dict[str, str] = {
+    "correctness": "lit_grpo.data.rewards:correctness_reward",
+    "format": "lit_grpo.data.rewards:format_reward",
+}
+
+
+class _DropDisabledTimeoutWarning(logging.Filter):
+    """Silences math-verify's "timeout is disabled" warning.
+
+    Its own timeout uses ``signal.alarm``, which raises in any thread but the main one, so this module turns it
+    off on purpose and relies on :class:`RewardRunner`'s per-call timeout instead.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DropDisabledTimeoutWarning())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Answer extraction
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _normalize_number(token: str) -> str:
+    """``-1,234.50`` -> ``-1234.50``: separators go, sign and decimals (as written) stay; ``.5`` -> ``0.5``."""
+    token = token.replace(",", "")
+    if token.startswith("-."):
+        return "-0" + token[1:]
+    if token.startswith("."):
+        return "0" + token
+    return token
+
+
+def _first_answer_token(text: str) -> str | None:
+    """The first number (or ``a/b`` fraction) in ``text``, normalised."""
+    match = _ANSWER_TOKEN.search(text)
+    return _token_text(match) if match else None
+
+
+def _last_answer_token(text: str) -> str | None:
+    """The last number (or ``a/b`` fraction) in ``text``, normalised."""
+    match = None
+    for match in _ANSWER_TOKEN.finditer(text):
+        pass
+    return _token_text(match) if match else None
+
+
+def _token_text(match: re.Match[str]) -> str:
+    numerator, denominator = match.group(1), match.group(2)
+    if denominator is None:
+        return _normalize_number(numerator)
+    return f"{_normalize_number(numerator)}/{_normalize_number(denominator)}"
+
+
+def _latex_to_plain(text: str) -> str:
+    """Rewrites the LaTeX forms of numbers a model writes in an answer into plain text."""
+    text = _LATEX_THOUSANDS.sub(",", text)
+    return _FRAC.sub(r"\1/\2", text)
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of each ``{`` that is closed -> index of its ``}``, in one pass (linear even on junk input)."""
+    closing, open_positions = {}, []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            open_positions.append(i)
+        elif ch == "}" and open_positions:
+            closing[open_positions.pop()] = i
+    return closing
+
+
+def _last_boxed_content(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` whose braces balance (a truncated last one is skipped)."""
+    boxes = list(_BOXED.finditer(text))
+    if not boxes:
+        return None
+    closing = _closing_braces(text)
+    for match in reversed(boxes):
+        end = closing.get(match.end() - 1)
+        if end is not None:
+            return text[match.end() : end]
+    return None
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The final numeric answer of a solution, normalised, or ``None`` when it holds no number.
+
+    Looked for in this order, a later rule applying only when the earlier ones find no number:
+
+    1. the first number after the last ``####`` (the GSM8K convention);
+    2. the first number in the last ``\\boxed{...}`` with balanced braces (the LaTeX convention);
+       ``\\frac{a}{b}`` (also ``\\dfrac``/``\\tfrac``) of two numbers becomes the fraction ``"a/b"``;
+    3. the last number anywhere in the text ("... so the answer is 7." -> ``"7"``).
+
+    Normalisation keeps the value and drops presentation: comma thousands separators are removed
+    (``1,234,567`` -> ``1234567``; ``3, 4`` stays two numbers), as are LaTeX ones (``1{,}000``, ``1\\,000``);
+    currency and percent signs are dropped (``$18`` -> ``18``, ``25%`` -> ``25``, not ``0.25``, because GSM8K
+    golds for percentage questions are the bare number); a sentence-ending period is not a decimal point;
+    the minus sign and the decimals are kept as written (``-3``, ``18.0``): equality of values is the
+    comparison's job, not this function's.
+    """
+    text = text.replace("\u2212", "-")  # Unicode minus sign
+    if "####" in text:
+        found = _first_answer_token(_latex_to_plain(text.rsplit("####", 1)[1]))
+        if found is not None:
+            return found
+    boxed = _last_boxed_content(text)
+    if boxed is not None:
+        found = _first_answer_token(_latex_to_plain(boxed))
+        if found is not None:
+            return found
+    return _last_answer_token(_latex_to_plain(text))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rewards
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _as_fraction(value: str) -> Fraction | None:
+    """Exact value of a normalised answer (``"1/2"``, ``"-3"``, ``"18.0"``), or ``None`` if it has none."""
+    try:
+        return Fraction(value)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _numeric_equal(pred: str, gold: str) -> bool:
+    """Fallback comparison: both are numbers whose values differ by at most 1e-9."""
+    a, b = _as_fraction(pred), _as_fraction(gold)
+    return a is not None and b is not None and abs(float(a) - float(b)) <= 1e-9
+
+
+def answers_match(pred: str, gold: str) -> bool:
+    """Whether two normalised answers are the same value.
+
+    math-verify decides when it can parse both (so ``18.0 == 18`` and ``1/2 == 0.5``); its own
+    ``signal.alarm`` timeouts are off, since they raise outside the main thread and :class:`RewardRunner`
+    already bounds each call. When either side does not parse, the values are compared as numbers.
+    """
+    gold_parsed = parse(gold, parsing_timeout=None)
+    pred_parsed = parse(pred, parsing_timeout=None)
+    if gold_parsed and pred_parsed:
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+    return _numeric_equal(pred, gold)
+
+
+def correctness_reward(completion: str, answer: str, **kwargs: object) -> float:
+    """1.0 when the completion's final answer equals the gold answer, else 0.0.
+
+    ``answer`` may be a full GSM8K solution (its number after ``####`` is the gold) or the bare gold (``"1,000"``).
+    A gold with no number is a data error, not a wrong completion, so it raises ``ValueError``.
+    """
+    gold = extract_final_answer(answer)
+    if gold is None:
+        raise ValueError(f"gold answer {answer!r} contains no number; expected a number or '... #### <number>'")
+    pred = extract_final_answer(completion)
+    if pred is None:
+        return 0.0
+    return 1.0 if answers_match(pred, gold) else 0.0
+
+
+def format_reward(completion: str, answer: str, **kwargs: object) -> float:
+    """1.0 when the completion's last non-blank line is ``#### <number>``, else 0.0.
+
+    The number is an integer or decimal, optionally negative and with comma thousands separators; spaces and
+    tabs may surround it. Units, currency signs or text after the number fail: the format is what lets an
+    exact-match grader read the answer, so it is rewarded only when it is exact.
+    """
+    return 1.0 if _FORMAT_LINE.search(completion.rstrip()) else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Resolving reward specs
+# ----------------------------------------------------------------------------------------------------------
+
+_SPEC_HELP = (
+    "expected 'package.module:function', 'package.module.function' or a built-in name "
+    f"({', '.join(repr(name) for name in BUILTIN_REWARDS)}) naming a callable "
+    "fn(completion: str, answer: str, **kwargs) -> float"
+)
+
+
+def _split_spec(spec: str) -> tuple[str, str]:
+    """``"a.b:c.d"`` -> ``("a.b", "c.d")``; ``"a.b.c"`` -> ``("a.b", "c")``."""
+    module_name, sep, attr = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward {spec!r}: {_SPEC_HELP}")
+    return module_name, attr
+
+
+def resolve_reward(spec: str) -> RewardFn:
+    """The reward function a spec names, checked to exist and be callable, so a typo fails at startup."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"reward {spec!r}: {_SPEC_HELP}")
+    spec = spec.strip()
+    module_name, attr = _split_spec(BUILTIN_REWARDS.get(spec, spec))
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({e!r}); {_SPEC_HELP}") from e
+    try:
+        fn = functools.reduce(getattr, attr.split("."), module)
+    except AttributeError as e:
+        raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}; {_SPEC_HELP}") from e
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not callable; {_SPEC_HELP}")
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Running rewards
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RewardResult:
+    """Rewards of one batch of completions, with counts of the calls that failed.
+
+    ``rewards[i]`` is the weighted sum over reward functions for completion ``i``; ``per_function[spec][i]``
+    is one function's unweighted score (0.0 where it failed), for logging each reward separately.
+    """
+
+    rewards: list[float]
+    errors: int = 0
+    timeouts: int = 0
+    per_function: dict[str, list[float]] = field(default_factory=dict)
+
+
+class _Failure(Exception):
+    """Why one reward call produced no score; ``timed_out`` tells a timeout from an error."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def _call_in_thread(fn: RewardFn, completion: str, answer: str, timeout_s: float) -> object:
+    """``fn(completion, answer)`` in a daemon thread, giving up after ``timeout_s`` seconds.
+
+    A Python thread cannot be killed: one that times out keeps running in the background (using CPU and
+    possibly touching shared state) until it returns, and is only abandoned. Being a daemon, it never keeps
+    the process from exiting. A subprocess could be killed, but would cost far more per call than a
+    reward function takes, and would need picklable functions.
+    """
+    outcome: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn(completion, answer)
+        except BaseException as e:  # reported to the caller, whatever it is
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, name="reward-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise _Failure(f"still running after {timeout_s:g} s", timed_out=True)
+    if "value" not in outcome:
+        raise _Failure(repr(outcome.get("error", "exited without a result")))
+    return outcome["value"]
+
+
+def _as_score(value: object) -> float:
+    """A reward function's return value as a finite float (a NaN would poison the group's advantages)."""
+    try:
+        score = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise _Failure(f"returned {value!r}, expected a number") from e
+    if not math.isfinite(score):
+        raise _Failure(f"returned {score}, expected a finite number")
+    return score
+
+
+def _parse_specs(specs: Sequence[str | tuple[str, float]]) -> list[tuple[str, float]]:
+    """``["correctness", ("format", 0.5)]`` -> ``[("correctness", 1.0), ("format", 0.5)]``, validated."""
+    if isinstance(specs, str) or not specs:
+        raise ValueError(f"rewards {specs!r}: expected a non-empty list of specs or (spec, weight) pairs")
+    parsed = []
+    for item in specs:
+        if isinstance(item, str):
+            item = (item, 1.0)
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"reward {item!r}: expected a spec string or a (spec, weight) pair")
+        spec, weight = item
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ValueError(f"reward {spec!r}: weight {weight!r} is not a finite number")
+        parsed.append((spec, float(weight)))
+    names = [spec for spec, _ in parsed]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"rewards {duplicates} are listed more than once; list each once with its total weight")
+    return parsed
+
+
+class RewardRunner:
+    """Scores completions with a weighted sum of reward functions, surviving functions that fail or hang.
+
+    Specs are resolved at construction, so a wrong name fails before any model is loaded. At call time a
+    function that raises, returns a non-number, or runs longer than ``timeout_s`` scores 0.0 for that
+    completion and is counted in :class:`RewardResult`; the other completions and functions are unaffected.
+    ``timeout_s=None`` calls functions directly in the caller's thread, with no time limit: faster, but a
+    hanging function then hangs training.
+    """
+
+    def __init__(self, specs: Sequence[str | tuple[str, float]], timeout_s: float | None = 5.0) -> None:
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}: expected a positive number of seconds or None")
+        self.specs = _parse_specs(specs)
+        self.timeout_s = timeout_s
+        self.functions = [(spec, resolve_reward(spec), weight) for spec, weight in self.specs]
+        self._warned: set[str] = set()
+
+    def _score(self, spec: str, fn: RewardFn, completion: str, answer: str) -> float:
+        """One function on one completion; raises :class:`_Failure` when it yields no score."""
+        if self.timeout_s is None:
+            try:
+                value = fn(completion, answer)
+            except Exception as e:
+                raise _Failure(repr(e)) from e
+        else:
+            value = _call_in_thread(fn, completion, answer, self.timeout_s)
+        return _as_score(value)
+
+    def _report(self, spec: str, failure: _Failure) -> None:
+        """Warns once per function, so a function that fails on every completion does not flood the log."""
+        kind = "timed out" if failure.timed_out else "failed"
+        if spec in self._warned:
+            logger.debug("reward %r %s: %s", spec, kind, failure)
+            return
+        self._warned.add(spec)
+        logger.warning("reward %r %s: %s (scored 0.0; further failures of it are logged at DEBUG)", spec, kind, failure)
+
+    def __call__(self, completions: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        if len(completions) != len(answers):
+            raise ValueError(f"{len(completions)} completions but {len(answers)} answers; expected one answer each")
+        result = RewardResult(rewards=[0.0] * len(completions), per_function={s: [] for s, _, _ in self.functions})
+        for i, (completion, answer) in enumerate(zip(completions, answers)):
+            for spec, fn, weight in self.functions:
+                try:
+                    score = self._score(spec, fn, completion, answer)
+                except _Failure as failure:
+                    score = 0.0
+                    result.timeouts += failure.timed_out
+                    result.errors += not failure.timed_out
+                    self._report(spec, failure)
+                result.per_function[spec].append(score)
+                result.rewards[i] += weight * score
+        return result

@@ -1,0 +1,324 @@
+"""Rollout engine on vLLM (pinned to 0.33), colocated in the trainer's process.
+
+vLLM runs with ``distributed_executor_backend="external_launcher"``: the model lives in this very process (no
+engine-core subprocess, no Ray), so new weights are written straight into its modules and no inter-process
+transfer is needed. Every process of a data-parallel run builds its own engine, just as it builds its own copy
+of the policy. vLLM is imported only when an engine is built: it is an optional extra that needs CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
+from lit_grpo.models import ALIASES
+
+INSTALL_HINT = "install it with `pip install 'lit_grpo[vllm]'` (needs a CUDA machine)"
+
+#: ``dtype`` values vLLM's ``ModelConfig`` accepts (``vllm/config/model.py``, ``ModelDType``)
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+#: ``LLM`` arguments the engine sets itself: changing them would break the log-probs or the weight sync
+RESERVED_LLM_KWARGS = ("distributed_executor_backend", "logprobs_mode")
+
+#: spacing between the seed bases of consecutive ``generate`` seeds; a call uses ``len(prompts) * n`` seeds
+SEED_STRIDE = 1_000_003
+#: per-request seeds live in an int64 buffer on the worker, so the base is folded below 2**62
+SEED_MODULUS = 2**62
+
+#: finish reasons (``vllm/v1/engine/__init__.py``, ``FINISH_REASON_STRINGS``) that mean no usable completion
+FAILED_FINISH_REASONS = ("abort", "error")
+
+
+def import_vllm() -> tuple[Any, Any, Any]:
+    """``(LLM, SamplingParams, TokensPrompt)`` from vLLM, or an ``ImportError`` that says how to get it."""
+    try:
+        import vllm
+        from vllm.inputs import TokensPrompt
+    except ImportError as err:
+        raise ImportError(f"VLLMEngine needs vLLM, which is not installed: {INSTALL_HINT}") from err
+    return vllm.LLM, vllm.SamplingParams, TokensPrompt
+
+
+def prompt_seed(seed: int, prompt_index: int, n: int) -> int:
+    """Seed of prompt ``prompt_index``'s request. vLLM gives the request's ``n`` children seeds ``s, s+1, ...,
+    s+n-1`` (``vllm/v1/engine/parallel_sampling.py``), so consecutive prompts are ``n`` apart and no two
+    completions of a call share a seed. Calls whose seeds differ by one are ``SEED_STRIDE`` apart, so their
+    seed ranges do not overlap while a call has fewer than ``SEED_STRIDE`` completions."""
+    return (int(seed) * SEED_STRIDE) % SEED_MODULUS + prompt_index * n
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for the single-process rendezvous vLLM performs."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def set_launcher_env() -> None:
+    """Export the rendezvous variables the external launcher reads.
+
+    ``ExecutorWithExternalLauncher._distributed_args`` (``vllm/v1/executor/uniproc_executor.py``) reads
+    ``RANK`` and ``LOCAL_RANK`` and initialises torch.distributed with ``env://`` (``MASTER_ADDR``,
+    ``MASTER_PORT``) unless a process group already exists. A plain single-GPU run sets none of these; under
+    a distributed strategy the existing process group gives the ranks.
+    """
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed:
+        os.environ["RANK"] = str(torch.distributed.get_rank())
+        os.environ["WORLD_SIZE"] = str(torch.distributed.get_world_size())
+        if "LOCAL_RANK" not in os.environ:
+            local = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            os.environ["LOCAL_RANK"] = str(local)
+    else:
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
+def tokenizer_stop_ids(tokenizer: Any) -> list[int]:
+    """End-of-sequence ids of the trainer's tokenizer object. vLLM already stops at its own tokenizer's EOS and
+    at the ``eos_token_id`` entries of the model's generation config; passing the trainer's as well makes both
+    engines end completions at the same tokens."""
+    if tokenizer is None or isinstance(tokenizer, str):
+        return []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return []
+    return sorted({int(eos)} if isinstance(eos, int) else {int(t) for t in eos})
+
+
+def validate_arguments(
+    model_name: str,
+    tokenizer: Any,
+    dtype: str,
+    gpu_memory_utilization: float,
+    max_model_len: int | None,
+    seed: int,
+    llm_kwargs: dict[str, Any],
+) -> None:
+    """Reject bad arguments before vLLM starts (which takes minutes and reports errors far from their cause)."""
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"model_name must be a non-empty string (a Hub id or a local directory), got {model_name!r}")
+    if model_name in ALIASES:
+        raise ValueError(
+            f"model alias {model_name!r} is built by lit_grpo for the transformers engine; vLLM loads a Hub id or "
+            "a local model directory"
+        )
+    if tokenizer is not None and not isinstance(tokenizer, str) and not hasattr(tokenizer, "eos_token_id"):
+        raise ValueError(
+            f"tokenizer must be None, a tokenizer name/path, or a tokenizer with eos_token_id, got {type(tokenizer)}"
+        )
+    if dtype not in VLLM_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {VLLM_DTYPES}")
+    if isinstance(gpu_memory_utilization, bool) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
+    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
+        raise ValueError(f"max_model_len must be an integer >= 1 or None, got {max_model_len!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    reserved = sorted(set(llm_kwargs) & set(RESERVED_LLM_KWARGS))
+    if reserved:
+        raise ValueError(f"{reserved} are set by VLLMEngine itself and cannot be passed through llm_kwargs")
+
+
+def to_completion(output: Any) -> Completion:
+    """One vLLM ``CompletionOutput`` as a ``Completion``: the sampled tokens, the sampler's log-prob of each
+    (``logprobs[t]`` maps token id to ``Logprob``; the sampled token is always present), truncated iff it
+    stopped on ``max_tokens`` or the model length (``finish_reason == "length"``) rather than on a stop token."""
+    if output.finish_reason in FAILED_FINISH_REASONS or output.finish_reason is None:
+        raise RuntimeError(f"vLLM did not finish a completion (finish_reason={output.finish_reason!r})")
+    token_ids = [int(t) for t in output.token_ids]
+    positions = output.logprobs
+    if positions is None or len(positions) != len(token_ids):
+        got = None if positions is None else len(positions)
+        raise RuntimeError(f"vLLM returned {got} log-prob positions for {len(token_ids)} tokens")
+    logprobs = [float(position[token].logprob) for position, token in zip(positions, token_ids)]
+    return Completion(token_ids, logprobs, truncated=output.finish_reason == "length")
+
+
+def to_group(request_output: Any, n: int) -> list[Completion]:
+    """The ``n`` completions of one prompt in child order (``CompletionOutput.index``)."""
+    outputs = sorted(request_output.outputs, key=lambda o: o.index)
+    if len(outputs) != n:
+        raise RuntimeError(f"vLLM returned {len(outputs)} completions for a prompt, expected n={n}")
+    return [to_completion(o) for o in outputs]
+
+
+def floating_placement(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype of the model's floating-point weights (where incoming tensors must end up)."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.device, param.dtype
+    raise RuntimeError("the vLLM model has no floating-point parameters to load weights into")
+
+
+def placed(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device, dtype: torch.dtype, counter: list[int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream ``(name, tensor)`` pairs moved to the model's device, floating tensors cast to its dtype, one at a
+    time so at most one converted copy exists; ``counter[0]`` counts them."""
+    for name, tensor in named_tensors:
+        counter[0] += 1
+        target = dtype if tensor.is_floating_point() else tensor.dtype
+        yield name, tensor.detach().to(device=device, dtype=target)
+
+
+class VLLMEngine(RolloutEngine):
+    """Rollouts from vLLM running in the trainer's process.
+
+    Log-probs are the sampler's own, taken after temperature (``logprobs_mode="processed_logprobs"``), so
+    ``score`` returns ``None`` and the trainer uses them as alpha's log-probs. With ``top_p < 1`` vLLM's
+    processed log-probs are normalised over the nucleus, whereas the transformers engine reports
+    ``log_softmax(logits / temperature)`` over the whole vocabulary; both agree when ``top_p == 1``.
+
+    With ``enable_sleep_mode`` the engine sleeps (level 1: weights offloaded to CPU, KV cache freed) from
+    construction and after every ``generate``, leaving the GPU memory to the training step, and wakes up for
+    ``generate`` and ``load_weights``.
+
+    Args:
+        model_name: Hub id or local directory of the policy's checkpoint (the architecture vLLM builds).
+        tokenizer: ``None`` (vLLM loads the model's), a tokenizer name/path for vLLM, or the trainer's tokenizer
+            object, whose EOS id is added to the stop tokens.
+        dtype: weight dtype inside vLLM.
+        gpu_memory_utilization: fraction of the GPU vLLM may take (weights + KV cache); the trainer needs the rest.
+        max_model_len: longest prompt + completion; ``None`` takes the model's.
+        enable_sleep_mode: free vLLM's GPU memory between rollouts (see above).
+        seed: vLLM's engine seed; each ``generate`` call seeds its requests from its own ``seed`` argument.
+        **llm_kwargs: further ``vllm.LLM`` arguments (e.g. ``tensor_parallel_size``, ``enforce_eager``).
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        tokenizer: Any = None,
+        dtype: str = "bfloat16",
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int | None = None,
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+        **llm_kwargs: Any,
+    ) -> None:
+        validate_arguments(model_name, tokenizer, dtype, gpu_memory_utilization, max_model_len, seed, llm_kwargs)
+        llm_cls, self._sampling_params_cls, self._tokens_prompt_cls = import_vllm()
+        self.model_name = model_name
+        self.enable_sleep_mode = bool(enable_sleep_mode)
+        self.stop_token_ids = tokenizer_stop_ids(tokenizer)
+        self.synced_step = 0
+        self._asleep = False
+        options: dict[str, Any] = dict(llm_kwargs)
+        if isinstance(tokenizer, str):
+            options["tokenizer"] = tokenizer
+        if max_model_len is not None:
+            options["max_model_len"] = max_model_len
+        set_launcher_env()
+        self.llm = llm_cls(
+            model=model_name,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.enable_sleep_mode,
+            distributed_executor_backend="external_launcher",
+            logprobs_mode="processed_logprobs",
+            **options,
+        )
+        self.sleep()
+
+    # ---- memory -------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Offload vLLM's weights to CPU and free its KV cache (``LLM.sleep(level=1)``), so training can use the
+        memory; a no-op unless ``enable_sleep_mode``. Level 1 keeps the weights, so a rollout after a step
+        without a weight sync still samples from alpha."""
+        if self.enable_sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Bring the weights and KV cache back to the GPU (``LLM.wake_up()``) if the engine sleeps."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    # ---- sampling -----------------------------------------------------------------------------------
+    def sampling_params(self, n: int, sampling: SamplingConfig, seed: int) -> Any:
+        """vLLM sampling parameters for one prompt's ``n`` completions. ``logprobs=0`` returns only the sampled
+        token's log-prob; ``detokenize=False`` because the trainer decodes the tokens itself."""
+        return self._sampling_params_cls(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens,
+            seed=seed,
+            logprobs=0,
+            stop_token_ids=list(self.stop_token_ids) or None,
+            detokenize=False,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
+    ) -> list[list[Completion]]:
+        """``n`` completions per prompt, in prompt order. Prompt ``p`` is seeded with ``prompt_seed(seed, p, n)``
+        (its children with the following ``n - 1`` integers), so a call is reproducible from ``seed`` up to the
+        batch-dependent numerics of vLLM's kernels."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not prompts:
+            return []
+        requests = [self._tokens_prompt_cls(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        params = [self.sampling_params(n, sampling, prompt_seed(seed, p, n)) for p in range(len(prompts))]
+        self.wake_up()
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        finally:
+            self.sleep()
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outputs)} results for {len(prompts)} prompts")
+        return [to_group(out, n) for out in outputs]
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def vllm_model(self) -> nn.Module:
+        """The ``nn.Module`` vLLM runs. With the external launcher the engine core lives in this process and
+        ``LLMEngine.model_executor`` is its executor (``vllm/v1/engine/llm_engine.py``), whose
+        ``driver_worker`` forwards attributes to the GPU worker (``vllm/v1/worker/worker_base.py``,
+        ``WorkerWrapperBase.__getattr__``). ``model_runner.get_model()`` rather than ``.model``: the V1
+        runner's ``.model`` may be a CUDA-graph wrapper that ``get_model`` unwraps
+        (``vllm/v1/worker/gpu_model_runner.py``); the V2 runner returns ``.model`` as is."""
+        return self.llm.llm_engine.model_executor.driver_worker.model_runner.get_model()
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
+        """Write the policy's full tensors (HF names) into vLLM's model, then drop the prefix cache, whose KV
+        blocks were computed with the old weights. vLLM's ``load_weights`` maps HF names onto its fused
+        layers and shards them for tensor parallelism; the tensors are streamed to it one at a time."""
+        self.wake_up()
+        model = self.vllm_model()
+        device, dtype = floating_placement(model)
+        counter = [0]
+        model.load_weights(placed(named_tensors, device, dtype, counter))
+        if counter[0] == 0:
+            raise ValueError("weight sync delivered no tensors; the engine keeps its previous weights")
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+        self.synced_step = int(step)
+
+    def score(self, batch, temperature: float) -> torch.Tensor | None:  # noqa: ANN001
+        """``None``: the sampler's log-probs (after temperature) are alpha's; recomputing them would need a
+        second forward pass in vLLM, which offers no batched scoring of given completions here."""
+        return None
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """``None``: vLLM's weights are fused and possibly sharded, so they cannot be read back under HF names.
+        Checkpoints therefore cannot restore a lagging engine; an exact resume while alpha lags the policy
+        (v > 1) needs the transformers engine."""
+        return None

@@ -1,0 +1,80 @@
+"""Plot a run's TensorBoard scalars to a PNG: ``python -m lit_grpo.plots RUN_DIR [RUN_DIR ...] -o out.png``.
+
+Each run directory is searched for event files; one panel per metric, one line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_TAGS = (
+    "rollout/reward_mean",
+    "eval/pass@1",
+    "train/kl",
+    "train/loss",
+    "rollout/frac_zero_variance",
+    "train/clip_high_fraction",
+    "train/ratio_max",
+    "train/staleness",
+    "rollout/completion_length",
+)
+
+
+def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` from every event file under ``run_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    files = sorted(Path(run_dir).rglob("events.out.tfevents.*"))
+    if not files:
+        raise ValueError(f"no TensorBoard event files under {str(run_dir)!r}")
+    for path in files:
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            series.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return {tag: sorted(points) for tag, points in series.items()}
+
+
+def plot_runs(run_dirs: list[str], out: str, tags: tuple[str, ...] = DEFAULT_TAGS) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {str(d): read_scalars(d) for d in run_dirs}
+    present = [t for t in tags if any(t in s for s in runs.values())]
+    if not present:
+        raise ValueError(f"none of the tags {list(tags)} were logged in {run_dirs}")
+    cols = min(3, len(present))
+    rows = (len(present) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+    for ax, tag in zip(axes.flat, present):
+        for name, series in runs.items():
+            if tag in series:
+                steps, values = zip(*series[tag])
+                ax.plot(steps, values, marker="o" if len(steps) < 20 else None, label=Path(name).name)
+        ax.set_title(tag)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(present):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return Path(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("runs", nargs="+", help="run directories containing TensorBoard event files")
+    parser.add_argument("-o", "--out", default="grpo_run.png")
+    parser.add_argument("--tags", nargs="*", default=list(DEFAULT_TAGS))
+    args = parser.parse_args()
+    print(plot_runs(args.runs, args.out, tuple(args.tags)))
+
+
+if __name__ == "__main__":
+    main()
