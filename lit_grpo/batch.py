@@ -41,7 +41,7 @@ class RolloutBatch:
     advantages: torch.Tensor  # [S]
     group_mask: torch.Tensor  # [S]: 1 where the completion's group has non-zero reward variance (eq. 8)
     truncated: torch.Tensor  # [S] bool: hit max_new_tokens without an end-of-sequence token
-    alpha_logp: torch.Tensor | None = None  # [S, C] log alpha(y_t | ...), sampling distribution
+    alpha_logp: torch.Tensor | None = None  # [S, C] log alpha(y_t | ...); None: alpha is pi_k (engine in sync)
     sampler_logp: torch.Tensor | None = None  # [S, C] as reported by the engine while sampling
     group_size: int = 1
     micro_batch_size: int = 8

@@ -134,8 +134,9 @@ class GRPOModule(L.LightningModule):
                     pik_logps[j] = logp.detach()
                     if entropy is not None:
                         entropy_sum += (entropy * mb.completion_mask).sum().double().cpu()
+                alpha_logp = pik_logps[j] if batch.alpha_logp is None else mb.take(batch.alpha_logp)
                 loss, stats = grpo_loss(
-                    logp, mb.take(batch.alpha_logp), mb.take(batch.advantages), mb.take(weights),
+                    logp, alpha_logp, mb.take(batch.advantages), mb.take(weights),
                     mb.completion_mask, self.loss_config, pik_logp=pik_logps[j], ref_logp=ref_logps[j],
                 )
                 self.manual_backward(loss)

@@ -56,7 +56,7 @@ def plot_runs(run_dirs: list[str], out: str, tags: tuple[str, ...] = DEFAULT_TAG
                 steps, values = zip(*series[tag])
                 ax.plot(steps, values, marker="o" if len(steps) < 20 else None, label=Path(name).name)
         ax.set_title(tag)
-        ax.set_xlabel("optimizer step")
+        ax.set_xlabel("training step (rollout batch)")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(present):]:
         ax.axis("off")

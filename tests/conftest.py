@@ -2,14 +2,17 @@ import os
 import sys
 from pathlib import Path
 
-import lightning as L
-import pytest
-import torch
-from lightning.pytorch.callbacks import Callback
+# before anything imports huggingface_hub, which reads these once: tests never reach the network
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import lightning as L  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # toy_rewards importable by path, in-process and in subprocesses
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 from lit_grpo.data.datamodule import RolloutDataModule  # noqa: E402

@@ -2,12 +2,13 @@
 
 import torch
 
-from conftest import tiny_data, tiny_module, tiny_trainer
+from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from lit_grpo.callbacks import RefModelSwap, WeightSync
 
 
 def test_v1_i1_ratio_is_one_at_first_iteration_every_step(tmp_path, recorder):
-    module, data = tiny_module(), tiny_data()
+    # the engine scores the completions itself: its synced copy must reproduce the policy exactly
+    module, data = tiny_module(), tiny_data(reuse_policy_logprobs=False)
     trainer = tiny_trainer(tmp_path, max_steps=4, callbacks=[WeightSync(every_n_steps=1), recorder])
     trainer.fit(module, datamodule=data)
     assert len(recorder.steps) == 4
@@ -15,6 +16,8 @@ def test_v1_i1_ratio_is_one_at_first_iteration_every_step(tmp_path, recorder):
         assert abs(step["train/ratio_first_iteration_min"] - 1.0) <= 1e-6
         assert abs(step["train/ratio_first_iteration_max"] - 1.0) <= 1e-6
         assert step["train/staleness"] == 0.0
+    # same code, same shapes, same weights: in fact bit-for-bit
+    assert all(s["train/ratio_first_iteration_max"] == 1.0 == s["train/ratio_first_iteration_min"] for s in recorder.steps)
     # the policy really moved, so a missed sync would have shown up as a ratio != 1
     assert recorder.steps[-1]["sync/count"] == 4.0  # one sync after every step
 
@@ -56,7 +59,8 @@ def test_v1_i4_ratio_moves_after_first_iteration_and_clipping_fires(tmp_path, re
 
 def test_masking_equal_reward_groups_gives_zero_loss_and_gradient(tmp_path):
     module = tiny_module(mask_zero_variance=True, beta=0.1)
-    data = tiny_data(rewards=["format"])  # a random model never ends with '#### N': every group is all zeros
+    # a random model never ends with '#### N': every group is all zeros
+    data = tiny_data(rewards=["format"], reuse_policy_logprobs=False)
     trainer = tiny_trainer(tmp_path, max_steps=1)
     trainer.strategy.connect(module)
     data.trainer = trainer
@@ -94,3 +98,19 @@ def test_kl_is_zero_right_after_ref_swap(tmp_path, recorder):
     assert kl[3] == 0.0  # swap happened at the end of step 3
     assert kl[4] > 0
     assert swap.swaps == 1
+
+
+def test_reusing_policy_logprobs_when_in_sync_changes_nothing(tmp_path):
+    """alpha = pi_k when the engine holds the current weights: skipping its scoring pass changes nothing."""
+    runs = {}
+    for reuse in (False, True):
+        recorder = MetricsRecorder()
+        trainer = tiny_trainer(tmp_path / str(reuse), max_steps=5,
+                               callbacks=[WeightSync(every_n_steps=2), recorder])
+        trainer.fit(tiny_module(beta=0.1, lr=1e-2), datamodule=tiny_data(reuse_policy_logprobs=reuse))
+        runs[reuse] = recorder.steps
+    for a, b in zip(runs[False], runs[True]):
+        for key in ("train/loss", "train/ratio_first_iteration_max", "train/ratio_first_iteration_min", "train/kl"):
+            # the engine's no-grad pass and the policy's training pass agree to float rounding
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), key
+    assert [s["train/staleness"] for s in runs[True]] == [0, 1, 0, 1, 0]

@@ -76,6 +76,9 @@ class RolloutDataModule(L.LightningDataModule):
         engine: ``"transformers"`` (in-process copy of the policy) or ``"vllm"`` (colocated vLLM);
             ``engine_options`` go to its constructor.
         max_prompts: use only the first N rows after a seeded shuffle (quick runs).
+        reuse_policy_logprobs: when the engine holds exactly the policy's current weights (synced at this
+            optimizer step), alpha = pi_k, so alpha's log-probs are the policy's own first-iteration log-probs
+            and the engine's scoring pass is skipped (same losses to float rounding; tested).
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class RolloutDataModule(L.LightningDataModule):
         engine: str = "transformers",
         engine_options: dict[str, Any] | None = None,
         max_prompts: int | None = None,
+        reuse_policy_logprobs: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -132,6 +136,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.system_prompt = system_prompt
         self.engine_kind = engine
         self.engine_options = dict(engine_options or {})
+        self.reuse_policy_logprobs = reuse_policy_logprobs
         self.seed = seed
         self.consumed = 0
         self.rollout_engine: RolloutEngine | None = None
@@ -198,6 +203,17 @@ class RolloutDataModule(L.LightningDataModule):
             self._prompt_cache[row] = prompt_ids(self.tokenizer, self.rows[row]["question"], self.system_prompt)
         return self._prompt_cache[row]
 
+    def alpha_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """Log-probs of the completions under the engine's weights; ``None`` means "alpha is pi_k": the engine
+        holds the policy's current weights, so the trainer's first forward gives them exactly."""
+        engine = self.rollout_engine
+        current_step = self.trainer.global_step if self.trainer is not None else None
+        rescores = getattr(engine, "rescore", False)
+        if self.reuse_policy_logprobs and rescores and engine.synced_step == current_step:
+            return None
+        alpha = engine.score(batch, self.sampling.temperature)
+        return alpha if alpha is not None else batch.sampler_logp
+
     def rollout(self, prompt_batch: PromptBatch) -> RolloutBatch:
         """Sample G completions per prompt with the engine's current weights, score them and assemble the batch."""
         engine = self.rollout_engine
@@ -217,8 +233,7 @@ class RolloutDataModule(L.LightningDataModule):
             prompts, groups, scored.rewards, self.tokenizer.pad_token_id, self.micro_batch_size,
             self.advantage_eps, self.scale_rewards, device,
         )
-        alpha = engine.score(batch, self.sampling.temperature)
-        batch.alpha_logp = alpha if alpha is not None else batch.sampler_logp
+        batch.alpha_logp = self.alpha_logprobs(batch)
         batch.batch_index = prompt_batch.batch_index
         batch.rollout_step = engine.synced_step
         batch.stats = rollout_stats(batch)
