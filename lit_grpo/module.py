@@ -15,7 +15,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from lit_grpo.batch import RolloutBatch
+from lit_grpo.batch import MicroBatch, RolloutBatch
 from lit_grpo.math.aggregation import AGGREGATION_MODES, token_weights
 from lit_grpo.math.objective import GRPOLossConfig, grpo_loss
 from lit_grpo.models import disable_dropout, load_model_and_tokenizer
@@ -91,6 +91,13 @@ class GRPOModule(L.LightningModule):
             # frozen; left in train mode like the policy (dropout is already off) so Lightning's mode checks stay quiet
             self.reference = copy.deepcopy(self.policy).requires_grad_(False)
 
+    def setup(self, stage: str) -> None:
+        if self.trainer is not None and self.trainer.world_size > 1:
+            raise ValueError(
+                f"GRPOModule trains in one process for now, got trainer.world_size={self.trainer.world_size}; "
+                "set trainer.devices=1 (multi-GPU FSDP training is not built yet)"
+            )
+
     # ---- optimisation -------------------------------------------------------------------------------
     def configure_optimizers(self):
         hp = self.hparams
@@ -109,10 +116,10 @@ class GRPOModule(L.LightningModule):
         return token_weights(mask, self.hparams.loss_aggregation, self.hparams.max_completion_length)
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor | None]:
+    def reference_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor | None]:
         if self.reference is None:
-            return [None for _ in batch.micro_batches()]
-        return [completion_logprobs(self.reference, mb, self.hparams.temperature)[0] for mb in batch.micro_batches()]
+            return [None] * len(micro_batches)
+        return [completion_logprobs(self.reference, mb, self.hparams.temperature)[0] for mb in micro_batches]
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
@@ -121,13 +128,14 @@ class GRPOModule(L.LightningModule):
         staleness = self.global_step - batch.rollout_step
         start = time.perf_counter()
         weights = self.loss_weights(batch)
-        ref_logps = self.reference_logprobs(batch)
-        pik_logps: list[torch.Tensor | None] = [None] * len(ref_logps)
+        micro_batches = list(batch.micro_batches())
+        ref_logps = self.reference_logprobs(micro_batches)
+        pik_logps: list[torch.Tensor | None] = [None] * len(micro_batches)
         iteration_stats, losses, entropy_sum = [], [], torch.zeros((), dtype=torch.float64)
         for iteration in range(hp.iterations_per_batch):
             totals: dict[str, torch.Tensor] = {}
             loss_total = torch.zeros((), dtype=torch.float64)
-            for j, mb in enumerate(batch.micro_batches()):
+            for j, mb in enumerate(micro_batches):
                 want_entropy = hp.log_entropy and iteration == 0
                 logp, entropy = completion_logprobs(self.policy, mb, hp.temperature, with_entropy=want_entropy)
                 if iteration == 0:
