@@ -42,6 +42,7 @@ def plot_runs(run_dirs: list[str], out: str, tags: tuple[str, ...] = DEFAULT_TAG
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     runs = {str(d): read_scalars(d) for d in run_dirs}
     present = [t for t in tags if any(t in s for s in runs.values())]
@@ -57,6 +58,7 @@ def plot_runs(run_dirs: list[str], out: str, tags: tuple[str, ...] = DEFAULT_TAG
                 ax.plot(steps, values, marker="o" if len(steps) < 20 else None, label=Path(name).name)
         ax.set_title(tag)
         ax.set_xlabel("training step (rollout batch)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(present):]:
         ax.axis("off")

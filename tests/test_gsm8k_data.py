@@ -11,7 +11,7 @@ import pytest
 from lit_grpo.data import load_gsm8k
 from lit_grpo.data.gsm8k import gold_answer, validate_rows
 
-SHARED = Path("/work/shared/data/gsm8k")
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"  # ../shared beside the checkout
 
 ROWS = [
     {"question": "How many apples?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"},

@@ -114,3 +114,22 @@ def test_reusing_policy_logprobs_when_in_sync_changes_nothing(tmp_path):
             # the engine's no-grad pass and the policy's training pass agree to float rounding
             assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), key
     assert [s["train/staleness"] for s in runs[True]] == [0, 1, 0, 1, 0]
+
+
+def test_failing_reward_scores_zero_is_counted_and_the_run_goes_on(tmp_path, recorder):
+    data = tiny_data(rewards=["toy_rewards:flaky"], reward_timeout_s=2.0)
+    trainer = tiny_trainer(tmp_path, max_steps=3, callbacks=[WeightSync(every_n_steps=1), recorder])
+    trainer.fit(tiny_module(), datamodule=data)
+    assert len(recorder.steps) == 3
+    errors = [s["rollout/reward_errors"] for s in recorder.steps]
+    assert errors[-1] > 0 and errors == sorted(errors)  # a running count
+
+
+def test_exact_ref_ratio_with_lagging_engine_and_sample_reuse(tmp_path, recorder):
+    module = tiny_module(exact_ref_ratio=True, iterations_per_batch=2, ratio_cap=5.0, lr=5e-3)
+    trainer = tiny_trainer(tmp_path, max_steps=6, callbacks=[WeightSync(every_n_steps=2), recorder])
+    trainer.fit(module, datamodule=tiny_data())
+    assert [s["train/staleness"] for s in recorder.steps] == [0, 2, 0]
+    lagged = recorder.steps[1]
+    assert abs(lagged["train/ratio_first_iteration_max"] - 1.0) > 1e-4  # alpha lags pi_k: r' != 1
+    assert all(s["train/ratio_max"] <= 5.0 + 1e-6 for s in recorder.steps)

@@ -4,3 +4,10 @@
 def digit_fraction(completion: str, answer: str, **kwargs) -> float:
     """Fraction of characters that are digits: varies between completions, so groups have variance."""
     return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
+
+
+def flaky(completion: str, answer: str, **kwargs) -> float:
+    """Raises on completions that start with a vowel-free character, otherwise scores like digit_fraction."""
+    if completion and completion[0] in "aeiouAEIOU0123456789 ":
+        raise RuntimeError("reward function failed on this completion")
+    return digit_fraction(completion, answer)
