@@ -37,6 +37,8 @@ class GRPOModule(L.LightningModule):
         iterations_per_batch: i, optimizer steps on each rollout batch.
         temperature: sampling temperature (linked from the data module by the CLI).
         max_completion_length: normaliser of the ``constant`` aggregation (linked from ``max_new_tokens``).
+        log_completions_every_n_steps: write one sampled completion per group, with its reward, to TensorBoard
+            as text every N training steps (None: never).
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class GRPOModule(L.LightningModule):
         gradient_clip_val: float | None = 1.0,
         gradient_checkpointing: bool = False,
         log_entropy: bool = True,
+        log_completions_every_n_steps: int | None = 50,
     ) -> None:
         super().__init__()
         if iterations_per_batch < 1:
@@ -196,6 +199,21 @@ class GRPOModule(L.LightningModule):
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
         self.log("reward", batch.stats.get("reward_mean", 0.0), prog_bar=True, on_step=True, batch_size=batch_size)
         self.log("staleness", float(staleness), prog_bar=True, on_step=True, batch_size=batch_size)
+        every = self.hparams.log_completions_every_n_steps
+        if every and batch.batch_index % every == 0:
+            self.log_completions(batch)
+
+    def log_completions(self, batch: RolloutBatch) -> None:
+        """First completion of each group with its reward, as markdown text in TensorBoard."""
+        writer = getattr(self.logger, "experiment", None)
+        if writer is None or not hasattr(writer, "add_text"):
+            return
+        lines = []
+        for row in range(0, batch.num_sequences, batch.group_size):
+            tokens = batch.completion_ids[row][batch.completion_mask[row].bool()]
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            lines.append(f"**reward {float(batch.rewards[row]):.3f}**\n\n    " + text.replace("\n", "\n    "))
+        writer.add_text("rollout/completions", "\n\n---\n\n".join(lines), global_step=self.global_step)
 
     # ---- exact resume -------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

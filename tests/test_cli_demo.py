@@ -34,5 +34,17 @@ def test_demo_config_runs_offline_and_logs_every_metric(tmp_path):
     assert all(value == 0.0 for _, value in scalars["train/staleness"])  # v = 1
     assert 0.0 <= scalars["eval/pass@1"][-1][1] <= 1.0
     assert list(run_dir.rglob("last.ckpt"))
+    assert completions_logged(run_dir)
     png = plot_runs([str(run_dir)], str(tmp_path / "demo.png"))
     assert png.stat().st_size > 10_000
+
+
+def completions_logged(run_dir: Path) -> bool:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for path in run_dir.rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(path))
+        acc.Reload()
+        if any(tag.startswith("rollout/completions") for tag in acc.Tags().get("tensors", [])):
+            return True
+    return False
