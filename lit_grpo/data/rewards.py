@@ -82,10 +82,8 @@ def _first_answer_token(text: str) -> str | None:
 
 def _last_answer_token(text: str) -> str | None:
     """The last number (or ``a/b`` fraction) in ``text``, normalised."""
-    match = None
-    for match in _ANSWER_TOKEN.finditer(text):
-        pass
-    return _token_text(match) if match else None
+    matches = list(_ANSWER_TOKEN.finditer(text))
+    return _token_text(matches[-1]) if matches else None
 
 
 def _token_text(match: re.Match[str]) -> str:
