@@ -11,11 +11,10 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_grpo.callbacks.protocol import policy_of
 from lit_grpo.data.gsm8k import load_gsm8k
-from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, eos_token_ids, prompt_ids
+from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
 from lit_grpo.data.rewards import RewardRunner
 from lit_grpo.engines.base import SamplingConfig
-from lit_grpo.engines.transformers_engine import TransformersEngine
-from lit_grpo.metrics import PassAtK
+from lit_grpo.evaluation import PassAtKSettings, evaluate_pass_at_k
 
 
 class GSM8KPassAtK(Callback):
@@ -24,9 +23,10 @@ class GSM8KPassAtK(Callback):
     ``at_start``, and at the end of training if ``at_end``. The paper's evaluation is Pass@1 from 50 samples
     with the training sampling settings.
 
-    Questions are the first ``num_questions`` of the split (all when None), split across ranks; the metric
-    is a torchmetrics ``PassAtK`` so the mean reduces across processes. Sampling is seeded per question, so
-    the same weights always give the same score.
+    Questions are the first ``num_questions`` of the split (all when None), dealt to the ranks in chunks of
+    ``questions_per_chunk``; the metric is a torchmetrics ``PassAtK`` so the mean reduces across processes.
+    Sampling is seeded per chunk, so the same weights give the same score on any number of ranks. Under FSDP
+    the ranks generate in lockstep (see ``lit_grpo.evaluation``).
     """
 
     def __init__(
@@ -48,45 +48,27 @@ class GSM8KPassAtK(Callback):
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}")
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if not ks or max(ks) > num_samples or min(ks) < 1:
-            raise ValueError(f"every k in ks={list(ks)} must lie in [1, num_samples={num_samples}]")
         if num_questions is not None and num_questions < 1:
             raise ValueError(f"num_questions must be >= 1 or None, got {num_questions}")
-        if questions_per_chunk < 1:
-            raise ValueError(f"questions_per_chunk must be >= 1, got {questions_per_chunk}")
         self.every_n_steps = every_n_steps
-        self.num_samples = num_samples
-        self.ks = tuple(int(k) for k in ks)
-        self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        # validates num_samples, ks and questions_per_chunk before the dataset is read
+        self.settings = PassAtKSettings(
+            num_samples=num_samples, ks=tuple(int(k) for k in ks),
+            sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
+            questions_per_chunk=questions_per_chunk, system_prompt=system_prompt, seed=seed,
+        )
         rows = load_gsm8k(dataset, split=split)
         self.rows = rows if num_questions is None else rows[:num_questions]
-        self.questions_per_chunk = questions_per_chunk
-        self.system_prompt = system_prompt
         self.at_start = at_start
         self.at_end = at_end
-        self.seed = seed
         self.judge = RewardRunner([("correctness", 1.0)])
         self.history: list[dict[str, float]] = []
         self.boundaries_done = 0
 
     @torch.no_grad()
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[int, float]:
-        policy, tokenizer = policy_of(pl_module), pl_module.tokenizer
-        engine = TransformersEngine(policy, eos_token_ids(tokenizer, policy), tokenizer.pad_token_id,
-                                    copy_weights=False)
-        metric = PassAtK(self.ks).to(pl_module.device)
-        indices = list(range(trainer.global_rank, len(self.rows), trainer.world_size))
-        for start in range(0, len(indices), self.questions_per_chunk):
-            chunk = indices[start : start + self.questions_per_chunk]
-            prompts = [prompt_ids(tokenizer, self.rows[i]["question"], self.system_prompt) for i in chunk]
-            groups = engine.generate(prompts, self.num_samples, self.sampling, seed=self.seed * 1_000_003 + chunk[0])
-            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-            answers = [self.rows[i]["answer"] for i in chunk for _ in range(self.num_samples)]
-            correct = torch.tensor(self.judge(texts, answers).rewards).view(len(chunk), self.num_samples) > 0.5
-            metric.update(correct.sum(dim=1), self.num_samples)
-        results = {k: float(v) for k, v in metric.compute().items()}
+        results = evaluate_pass_at_k(policy_of(pl_module), pl_module.tokenizer, self.rows, self.settings,
+                                     judge=self.judge, device=pl_module.device)
         record = {"step": float(trainer.global_step), **{f"pass@{k}": v for k, v in results.items()}}
         self.history.append(record)
         metrics = {f"eval/pass@{k}": v for k, v in results.items()}

@@ -18,6 +18,8 @@ import lightning as L
 import torch
 from torch import nn
 
+from lit_grpo.distributed import full_named_parameters
+
 
 def policy_of(pl_module: L.LightningModule) -> nn.Module:
     return getattr(pl_module, "policy", pl_module)
@@ -38,8 +40,7 @@ def engine_of(trainer: L.Trainer, pl_module: L.LightningModule, explicit: Any = 
 
 
 def full_named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full (unsharded) parameters by name. Sharded (FSDP2 DTensor) parameters are gathered one at a time,
-    which every rank must do together; plain modules hand out their tensors without a copy."""
-    for name, param in module.named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        yield name, full.detach()
+    """Full (unsharded) parameters by their model names. Sharded (FSDP2 DTensor) parameters are gathered one at a
+    time and FSDP1 modules inside ``summon_full_params``, which every rank must do together; plain modules hand out
+    their tensors without a copy. Wrapper prefixes (``_fsdp_wrapped_module.`` ...) are stripped."""
+    yield from full_named_parameters(module)

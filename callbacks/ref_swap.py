@@ -45,7 +45,11 @@ class RefModelSwap(Callback):
             return
         reference = getattr(pl_module, "reference", None)
         if reference is not None:
-            for ref_param, param in zip(reference.parameters(), policy_of(pl_module).parameters(), strict=True):
+            policy = policy_of(pl_module)
+            for model in (reference, policy):
+                if hasattr(model, "reshard"):  # FSDP2: both in their sharded form, so shards copy to shards
+                    model.reshard()
+            for ref_param, param in zip(reference.parameters(), policy.parameters(), strict=True):
                 ref_param.copy_(param)
         if self.reset_optimizer:
             for optimizer in trainer.optimizers:

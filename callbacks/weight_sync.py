@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.callbacks.protocol import engine_of, full_named_tensors, policy_of
 
@@ -51,9 +51,9 @@ class WeightSync(Callback):
             self._restored_engine_state = None
             return
         if self._restored and self.last_sync_step != trainer.global_step:
-            warnings.warn(
+            rank_zero_warn(
                 "resuming with a lagging rollout engine whose weights were not saved; it restarts from the "
-                "current policy, so this run is not an exact continuation", stacklevel=1,
+                "current policy, so this run is not an exact continuation"
             )
         # Fresh start (or checkpoint taken right after a sync): the engine must hold the policy's weights.
         start_step = self.last_sync_step if self._restored else trainer.global_step
@@ -73,8 +73,8 @@ class WeightSync(Callback):
             return  # the engine holds the policy's weights: nothing extra to save
         weights = engine.state_dict() if hasattr(engine, "state_dict") else None
         if weights is None:
-            warnings.warn("the rollout engine lags the policy but cannot export its weights; a resume from this "
-                          "checkpoint will not be exact", stacklevel=1)
+            rank_zero_warn("the rollout engine lags the policy but cannot export its weights; a resume from this "
+                           "checkpoint will not be exact")
             return
         checkpoint["rollout_engine_weights"] = weights
 

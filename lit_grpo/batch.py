@@ -63,7 +63,9 @@ class RolloutBatch:
             p_mask = self.prompt_mask[unique]
             keep_from = int((p_mask.sum(0) > 0).nonzero().min()) if p_mask.any() else 0
             c_mask = self.completion_mask[rows]
-            width = max(int(c_mask.sum(1).max()), 1)
+            # at least two columns when the batch has them: scoring then always makes the same two forwards,
+            # which sharded (FSDP) ranks must make together; a padded column is masked and changes no number
+            width = max(int(c_mask.sum(1).max()), min(2, self.completion_ids.shape[1]))
             yield MicroBatch(
                 prompt_ids=self.prompt_ids[unique][:, keep_from:],
                 prompt_mask=p_mask[:, keep_from:],

@@ -1,30 +1,304 @@
-"""``python -m lit_grpo fit --config configs/X.yaml``: LightningCLI over GRPOModule and RolloutDataModule."""
+"""``python -m lit_grpo fit --config configs/X.yaml``: LightningCLI over GRPOModule and RolloutDataModule.
+``python -m lit_grpo export CKPT OUT_DIR``: the trained policy as a Hugging Face model directory.
+
+A bad value, in a config file, on the command line, in ``--ckpt_path`` or given to ``export``, ends the program
+with one line on stderr, ``error: <what> (<where it came from>)``, and exit status 2, before any model is loaded
+where the value allows it (the data module is built before the model). ``LIT_GRPO_DEBUG=1`` shows the traceback
+instead. Errors raised once training has started keep their tracebacks.
+"""
 
 from __future__ import annotations
 
+import inspect
+import logging
+import os
+import re
+import sys
 import warnings
+from argparse import ArgumentError
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn
 
+import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
+from lit_grpo.checkpoints import Checkpoint, CheckpointError
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.module import GRPOModule
 
+DEBUG_ENV = "LIT_GRPO_DEBUG"
+# values of ckpt_path that Lightning resolves itself rather than reading a path
+_CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
+# which config group an object being built belongs to, innermost first when nested
+_GROUPS: tuple[tuple[type, str], ...] = (
+    (Callback, "trainer.callbacks"), (LightningDataModule, "data"), (LightningModule, "model"), (Trainer, "trainer"),
+)
+
+
+class UsageError(Exception):
+    """A bad value given by the person running the CLI: printed as one line, exit status 2."""
+
+    def __init__(self, what: str, where: str) -> None:
+        super().__init__(f"{one_line(what)} ({where})")
+
+
+def one_line(text: str) -> str:
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+class _HeldBack:
+    """Holds back Lightning's log lines ("Seed set to 0", the device summary) and Python warnings from the
+    moment the arguments parse until the model, data module and trainer are built, so that a bad value prints
+    its error line alone. Once the classes are built (or on any other error) they are replayed in order."""
+
+    LOGGERS = ("lightning.fabric", "lightning.pytorch")
+
+    def __init__(self) -> None:
+        self.active = False
+
+    def start(self) -> None:
+        if self.active:
+            return
+        self.items: list[Callable[[], None]] = []
+        self.saved = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).propagate)
+                      for name in self.LOGGERS}
+        held = self.items
+
+        class Hold(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                held.append(lambda: logging.getLogger(record.name).handle(record))
+
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            logger.handlers, logger.propagate = [Hold()], False
+        self.showwarning = warnings.showwarning
+
+        def hold_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+            held.append(lambda: self.showwarning(message, category, filename, lineno, file, line))
+
+        warnings.showwarning = hold_warning
+        self.active = True
+
+    def stop(self, replay: bool) -> None:
+        if not self.active:
+            return
+        self.active = False
+        warnings.showwarning = self.showwarning
+        for name, (handlers, propagate) in self.saved.items():
+            logger = logging.getLogger(name)
+            logger.handlers, logger.propagate = handlers, propagate
+        if replay:
+            for emit in self.items:
+                emit()
+
+
+_held_back = _HeldBack()
+
 
 class GRPOCLI(LightningCLI):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        argv = kwargs.get("args")
+        # the arguments as typed, to tell where a bad value came from (LightningCLI reads sys.argv when None)
+        self._argv = [str(a) for a in argv] if isinstance(argv, (list, tuple)) else (
+            sys.argv[1:] if argv is None else [])
+        self._checkpoint: Checkpoint | None = None
+        super().__init__(*args, **kwargs)
+
+    def init_parser(self, **kwargs: Any):  # noqa: ANN201
+        # parse errors are raised, not printed with the 80-line usage, so that main() prints them as one line
+        kwargs.setdefault("exit_on_error", False)
+        return super().init_parser(**kwargs)
+
+    def add_core_arguments_to_parser(self, parser) -> None:  # noqa: ANN001
+        # As LightningCLI's, but the data group before the model group: jsonargparse builds groups of the same
+        # depth in the order they were added, and the data module is cheap to build and checks its values, so a
+        # bad data value fails before a model is loaded.
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
+        parser.add_lightning_class_args(self._model_class, "model", subclass_mode=self.subclass_mode_model)
+
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001
         # The loss must use the temperature the rollouts were sampled with, and Dr.GRPO's constant
         # normaliser is the generation budget.
         parser.link_arguments("data.temperature", "model.temperature")
         parser.link_arguments("data.max_new_tokens", "model.max_completion_length")
 
+    # ---- turning bad values into one line -------------------------------------------------------------
+    def parse_arguments(self, parser, args) -> None:  # noqa: ANN001
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            message = one_line(str(err))
+            match = re.search(r'[Kk]ey "([\w.]+)"', message)
+            raise UsageError(message, self._where(self._strip_subcommand(match.group(1)) if match else None)) from err
+        ckpt_path = self._subcommand_config().get("ckpt_path") if self.config.get("subcommand") else None
+        if ckpt_path and str(ckpt_path) not in _CKPT_KEYWORDS and "://" not in str(ckpt_path):
+            # read it now: LightningCLI loads it next for its hyperparameters, with a traceback when it is bad
+            try:
+                self._checkpoint = Checkpoint(ckpt_path)
+            except CheckpointError as err:
+                raise UsageError(str(err), self._where("ckpt_path")) from err
+        _held_back.start()
 
-def main(args: list[str] | None = None) -> GRPOCLI:
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the checkpoint's hyperparameters into the config (a private hook, kept narrow)
+        try:
+            super()._parse_ckpt_path()
+        except ArgumentError as err:
+            path = self._checkpoint.path if self._checkpoint is not None else "ckpt_path"
+            raise UsageError(f"the hyperparameters in checkpoint {path} do not fit: {err}", self._where("ckpt_path")) from err
+
+    def instantiate_classes(self) -> None:
+        usage_error = False
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, MisconfigurationException) as err:
+            usage_error = True
+            raise UsageError(str(err), self._where(self._raised_by(err))) from err
+        finally:
+            _held_back.stop(replay=not usage_error)
+
+    def _check_checkpoint_fits(self) -> None:
+        if self._checkpoint is None:
+            return
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        where = self._where("ckpt_path")
+        if self._checkpoint.sharded and not isinstance(self.trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+            raise UsageError(
+                f"checkpoint {self._checkpoint.path} is a sharded directory, which only trainer.strategy "
+                f"ModelParallelStrategy or FSDPStrategy can resume from (this run uses "
+                f"{type(self.trainer.strategy).__name__}); `python -m lit_grpo export` reads it anywhere", where)
+        try:
+            self._checkpoint.check_fits(self.model.state_dict(), strict=self.model.strict_loading)
+        except CheckpointError as err:
+            raise UsageError(str(err), where) from err
+
+    def before_fit(self) -> None:
+        self._check_checkpoint_fits()
+
+    before_validate = before_test = before_predict = before_fit
+
+    # ---- where a value came from ----------------------------------------------------------------------
+    def _subcommand_config(self) -> Any:
+        return self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
+
+    def _strip_subcommand(self, key: str) -> str:
+        first, _, rest = key.partition(".")
+        return rest if rest and first in self.subcommands() else key
+
+    def _raised_by(self, err: BaseException) -> str | None:
+        """The config key of the value an error from a constructor is about: the innermost object under
+        construction tells the group (model, data, trainer, a callback), the message the argument."""
+        owner, group = None, None
+        tb: TracebackType | None = err.__traceback__
+        while tb is not None:
+            obj = tb.tb_frame.f_locals.get("self")
+            for cls, name in _GROUPS:
+                if isinstance(obj, cls):
+                    owner, group = obj, name
+                    break
+            tb = tb.tb_next
+        if owner is None:
+            return None
+        message = str(err)
+        params = [p for p in inspect.signature(type(owner).__init__).parameters.values()
+                  if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        named = [(m.start(), p.name) for p in params
+                 if (m := re.search(rf"(?<![\w.]){re.escape(p.name)}(?!\w)", message))]
+        if group == "trainer.callbacks":
+            param = min(named)[1] if named else None
+            return f"trainer.callbacks: {type(owner).__name__}" + (f".{param}" if param else "")
+        if named:
+            return f"{group}.{min(named)[1]}"
+        config = self._subcommand_config()
+        for p in params:  # no argument named: the one whose value the message quotes ("unknown model 'x'")
+            value = config.get(f"{group}.{p.name}")
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, str) and len(v) > 2 and v in message for v in values):
+                return f"{group}.{p.name}"
+        return group
+
+    def _where(self, key: str | None) -> str:
+        files = _config_files(self._argv)
+        if key is None or key in dict(_GROUPS).values() or key.startswith("trainer.callbacks:"):
+            sources = ", ".join(files + ["the command line"]) if files else "the command line"
+            return f"{key}, from {sources}" if key else f"from {sources}"
+        if any(a == f"--{key}" or a.startswith(f"--{key}=") for a in self._argv):
+            return f"{key}, on the command line"
+        for path in reversed(files):  # a later --config overrides an earlier one
+            if _sets(path, key, self.subcommands()):
+                return f"{key}, in {path}"
+        return key
+
+
+def _config_files(argv: list[str]) -> list[str]:
+    files = []
+    for i, arg in enumerate(argv):
+        if arg in ("-c", "--config") and i + 1 < len(argv):
+            files.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            files.append(arg.split("=", 1)[1])
+    return files
+
+
+def _sets(path: str, key: str, subcommands: Any) -> bool:
+    """Whether a YAML config file sets ``key`` (``model.lr``), at the top or under a subcommand."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    roots = [data] + [data.get(s) for s in subcommands if isinstance(data, dict)]
+    for node in roots:
+        for part in key.split("."):
+            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
+        if node is not KeyError:
+            return True
+    return False
+
+
+def _fail(err: BaseException) -> NoReturn:
+    print(f"error: {one_line(str(err))}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def main(args: list[str] | None = None) -> GRPOCLI | None:
+    """Run the CLI on ``args`` (default: ``sys.argv[1:]``); returns the LightningCLI object of a training
+    subcommand, None for ``export``. A usage error exits with status 2 after one line on stderr."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == "export":  # not a Trainer method: dispatched before LightningCLI builds its parser
+        from lit_grpo import export
+
+        try:
+            export.main(argv[1:])
+        except (ValueError, OSError) as err:  # CheckpointError is a ValueError
+            if _debug():
+                raise
+            _fail(UsageError(str(err), "export " + " ".join(argv[1:])))
+        return None
     # A checkpoint taken after a training step holds the state after all of that step's optimizer steps,
     # together with the data position and counters of the same moment: exactly what an exact resume needs.
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-    return GRPOCLI(
-        GRPOModule,
-        RolloutDataModule,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    try:
+        return GRPOCLI(GRPOModule, RolloutDataModule, save_config_kwargs={"overwrite": True}, args=args)
+    except (UsageError, ArgumentError) as err:
+        _held_back.stop(replay=_debug())
+        if _debug():
+            raise
+        _fail(err if isinstance(err, UsageError) else UsageError(str(err), "arguments"))
+    finally:
+        _held_back.stop(replay=True)  # no-op once stopped
+
+
+def run() -> None:
+    """Console-script entry point (``lit-grpo``): exit status 0 after a run, not the CLI object."""
+    main()

@@ -16,6 +16,16 @@ import numpy as np
 import torch
 
 from lit_grpo.batch import MicroBatch, RolloutBatch
+from lit_grpo.distributed import (
+    all_gather_objects,
+    clip_grad_norm,
+    fsdp1_wrap_model,
+    fully_shard_model,
+    is_fsdp1,
+    rank_and_world,
+    reduce_stats,
+    sum_over_ranks,
+)
 from lit_grpo.math.aggregation import AGGREGATION_MODES, token_weights
 from lit_grpo.math.objective import GRPOLossConfig, grpo_loss
 from lit_grpo.models import disable_dropout, load_model_and_tokenizer
@@ -43,7 +53,7 @@ class GRPOModule(L.LightningModule):
 
     def __init__(
         self,
-        model_name: str = "tiny-random-llama",
+        model_name: str,
         dtype: str = "float32",
         beta: float = 0.0,
         eps_low: float = 0.2,
@@ -87,19 +97,40 @@ class GRPOModule(L.LightningModule):
         self.policy, self.tokenizer = load_model_and_tokenizer(model_name, dtype)
         disable_dropout(self.policy)
         self.policy.train()  # from_pretrained returns eval mode; with dropout off the two modes compute the same
-        if gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
         self.reference = None
         if beta > 0:
             # frozen; left in train mode like the policy (dropout is already off) so Lightning's mode checks stay quiet
             self.reference = copy.deepcopy(self.policy).requires_grad_(False)
+        if gradient_checkpointing:
+            # after the reference copy: a no-grad model has nothing to recompute and would only lose its KV cache
+            self.policy.gradient_checkpointing_enable()
 
-    def setup(self, stage: str) -> None:
-        if self.trainer is not None and self.trainer.world_size > 1:
-            raise ValueError(
-                f"GRPOModule trains in one process for now, got trainer.world_size={self.trainer.world_size}; "
-                "set trainer.devices=1 (multi-GPU FSDP training is not built yet)"
-            )
+    # ---- parallelism --------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Shard policy and reference alike: FSDP2 under ``ModelParallelStrategy`` (``fully_shard`` over the
+        data-parallel mesh), FSDP1 under ``FSDPStrategy``; DDP and one process need nothing here."""
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        sharded = is_fsdp1(self.policy) or any(hasattr(p, "full_tensor") for p in self.policy.parameters())
+        if strategy is None or sharded:
+            return  # no trainer, or already sharded by an earlier fit
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        if isinstance(strategy, ModelParallelStrategy):
+            mesh = strategy.device_mesh
+            if mesh["tensor_parallel"].size() > 1:
+                raise ValueError(
+                    f"ModelParallelStrategy got tensor_parallel_size={mesh['tensor_parallel'].size()}; GRPOModule "
+                    "shards with FSDP2 only: set data_parallel_size to the number of processes and "
+                    "tensor_parallel_size: 1"
+                )
+            for name in ("policy", "reference"):
+                model = getattr(self, name)
+                if model is not None:
+                    fully_shard_model(model, mesh["data_parallel"])
+        elif isinstance(strategy, FSDPStrategy):
+            self.policy = fsdp1_wrap_model(self.policy, strategy.root_device)
+            if self.reference is not None:
+                self.reference = fsdp1_wrap_model(self.reference, strategy.root_device)
 
     # ---- optimisation -------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -116,7 +147,9 @@ class GRPOModule(L.LightningModule):
         mask = batch.completion_mask.float()
         if self.hparams.mask_zero_variance:
             mask = mask * batch.group_mask.unsqueeze(-1)
-        return token_weights(mask, self.hparams.loss_aggregation, self.hparams.max_completion_length)
+        # denominators over the global batch (all ranks), so the sum of the ranks' losses is the one-process loss
+        return token_weights(mask, self.hparams.loss_aggregation, self.hparams.max_completion_length,
+                             global_sum=sum_over_ranks)
 
     @torch.no_grad()
     def reference_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor | None]:
@@ -129,12 +162,14 @@ class GRPOModule(L.LightningModule):
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         staleness = self.global_step - batch.rollout_step
+        # DDP and FSDP average gradients over ranks; the weights already divide by global totals, so undo the mean
+        _, world = rank_and_world()
         start = time.perf_counter()
         weights = self.loss_weights(batch)
         micro_batches = list(batch.micro_batches())
         ref_logps = self.reference_logprobs(micro_batches)
         pik_logps: list[torch.Tensor | None] = [None] * len(micro_batches)
-        iteration_stats, losses, entropy_sum = [], [], torch.zeros((), dtype=torch.float64)
+        iteration_stats, losses, grad_norms, entropy_sum = [], [], [], torch.zeros((), dtype=torch.float64)
         for iteration in range(hp.iterations_per_batch):
             totals: dict[str, torch.Tensor] = {}
             loss_total = torch.zeros((), dtype=torch.float64)
@@ -150,57 +185,81 @@ class GRPOModule(L.LightningModule):
                     logp, alpha_logp, mb.take(batch.advantages), mb.take(weights),
                     mb.completion_mask, self.loss_config, pik_logp=pik_logps[j], ref_logp=ref_logps[j],
                 )
-                self.manual_backward(loss)
+                self.manual_backward(loss * world if world > 1 else loss)
                 loss_total += loss.detach().double().cpu()
                 merge_stats(totals, stats)
-            if hp.gradient_clip_val:
-                self.clip_gradients(optimizer, gradient_clip_val=hp.gradient_clip_val, gradient_clip_algorithm="norm")
+            # the global norm before clipping (inf: measure only); the same number on every rank
+            grad_norms.append(float(clip_grad_norm(self.policy, hp.gradient_clip_val or float("inf"))))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             iteration_stats.append(totals)
             losses.append(loss_total)
         update_seconds = time.perf_counter() - start
-        self.log_step(batch, iteration_stats, losses, entropy_sum, staleness, update_seconds)
+        self.log_step(batch, iteration_stats, losses, grad_norms, entropy_sum, staleness, update_seconds)
         return torch.stack(losses).mean()
 
     # ---- logging --------------------------------------------------------------------------------------
     def log_step(self, batch: RolloutBatch, iteration_stats: list[dict], losses: list[torch.Tensor],
-                 entropy_sum: torch.Tensor, staleness: int, update_seconds: float) -> None:
-        tokens = float(iteration_stats[0]["tokens"])
+                 grad_norms: list[float], entropy_sum: torch.Tensor, staleness: int, update_seconds: float) -> None:
+        """Log the step's metrics, reduced over ranks so that they mean what they mean in one process: token
+        sums and counts add, extrema combine, rollout means average over ranks (every rank holds the same
+        number of sequences), timings take the slowest rank."""
+        _, world = rank_and_world()
+        local: dict[str, torch.Tensor | float] = {}
+        for i, stats in enumerate(iteration_stats):
+            for key, value in stats.items():
+                local[f"it{i}/{key}"] = value
+            local[f"it{i}/loss"] = losses[i]  # weights divide by global totals: the ranks' losses add up
+        local["entropy_sum"] = entropy_sum
+        rollout_counts = ("generated_tokens", "reward_errors", "reward_timeouts")
+        for key, value in batch.stats.items():
+            if key.endswith("_seconds"):
+                local[f"rollout/{key}_max"] = value
+            elif key in rollout_counts:
+                local[f"rollout/{key}"] = value
+            else:
+                local[f"rollout/{key}"] = float(value) / world
+        local["update_seconds_max"] = update_seconds
+        g = reduce_stats(local)
+        n_it = len(iteration_stats)
+
+        def total(key: str) -> float:
+            return sum(float(g[f"it{i}/{key}"]) for i in range(n_it))
+
+        tokens = float(g["it0/tokens"])
         denom = max(tokens, 1.0)
-        merged: dict[str, torch.Tensor] = {}
-        for stats in iteration_stats:
-            merge_stats(merged, stats)
-        all_tokens = max(float(merged["tokens"]), 1.0)
-        first = iteration_stats[0]
+        all_tokens = max(total("tokens"), 1.0)
+        update_seconds = float(g["update_seconds_max"])
         metrics = {
-            "train/loss": float(torch.stack(losses).mean()),
-            "train/loss_first_iteration": float(losses[0]),
-            "train/kl": float(first["kl_sum"]) / denom,
-            "train/entropy": float(entropy_sum) / denom,
-            "train/clip_low_fraction": float(merged["clip_low"]) / all_tokens,
-            "train/clip_high_fraction": float(merged["clip_high"]) / all_tokens,
-            "train/ratio_mean": float(merged["ratio_sum"]) / all_tokens,
-            "train/ratio_min": float(merged["ratio_min"]),
-            "train/ratio_max": float(merged["ratio_max"]),
-            "train/ratio_first_iteration_min": float(first["ratio_min"]),
-            "train/ratio_first_iteration_max": float(first["ratio_max"]),
+            "train/loss": total("loss") / n_it,
+            "train/loss_first_iteration": float(g["it0/loss"]),
+            "train/kl": float(g["it0/kl_sum"]) / denom,
+            "train/entropy": float(g["entropy_sum"]) / denom,
+            "train/clip_low_fraction": total("clip_low") / all_tokens,
+            "train/clip_high_fraction": total("clip_high") / all_tokens,
+            "train/ratio_mean": total("ratio_sum") / all_tokens,
+            "train/ratio_min": min(float(g[f"it{i}/ratio_min"]) for i in range(n_it)),
+            "train/ratio_max": max(float(g[f"it{i}/ratio_max"]) for i in range(n_it)),
+            "train/ratio_first_iteration_min": float(g["it0/ratio_min"]),
+            "train/ratio_first_iteration_max": float(g["it0/ratio_max"]),
             "train/staleness": float(staleness),
             "train/update_seconds": update_seconds,
-            "train/update_tokens_per_second": tokens * len(iteration_stats) / max(update_seconds, 1e-9),
+            "train/update_tokens_per_second": tokens * n_it / max(update_seconds, 1e-9),
             "train/lr": float(self.lr_schedulers().get_last_lr()[0]),
+            "train/grad_norm": sum(grad_norms) / len(grad_norms),
         }
-        for key, value in batch.stats.items():
-            metrics[f"rollout/{key}"] = float(value)
-        metrics["rollout/tokens_per_second"] = batch.stats.get("generated_tokens", 0.0) / max(
-            batch.stats.get("generate_seconds", 0.0), 1e-9)
+        for key, value in g.items():
+            if key.startswith("rollout/"):
+                metrics[key.removesuffix("_max")] = float(value)
+        metrics["rollout/tokens_per_second"] = metrics.get("rollout/generated_tokens", 0.0) / max(
+            metrics.get("rollout/generate_seconds", 0.0), 1e-9)
         batch_size = batch.num_sequences
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
-        self.log("reward", batch.stats.get("reward_mean", 0.0), prog_bar=True, on_step=True, batch_size=batch_size)
+        self.log("reward", metrics.get("rollout/reward_mean", 0.0), prog_bar=True, on_step=True, batch_size=batch_size)
         self.log("staleness", float(staleness), prog_bar=True, on_step=True, batch_size=batch_size)
         every = self.hparams.log_completions_every_n_steps
-        if every and batch.batch_index % every == 0:
+        if every and batch.batch_index % every == 0 and self.global_rank == 0:
             self.log_completions(batch)
 
     def log_completions(self, batch: RolloutBatch) -> None:
@@ -223,12 +282,19 @@ class GRPOModule(L.LightningModule):
                int(has_gauss), float(cached)), "python": random.getstate()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        checkpoint["rng_states"] = rng
+        # every rank's generators, in rank order: only rank 0 writes the checkpoint, each rank resumes its own
+        checkpoint["rng_states"] = all_gather_objects(rng)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         rng = checkpoint.get("rng_states")
         if not rng:
             return
+        if isinstance(rng, list):
+            rank, world = rank_and_world()
+            if len(rng) != world:
+                raise ValueError(f"checkpoint holds the RNG states of {len(rng)} processes, this run has {world}; "
+                                 "resume with the same number of processes")
+            rng = rng[rank]
         torch.set_rng_state(rng["torch"])
         kind, keys, pos, has_gauss, cached = rng["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))

@@ -22,7 +22,52 @@ def completion_logprobs(
     The prompt is run once per distinct prompt; its KV cache is then indexed out to the completions that
     share it (a differentiable gather), and the completions run on top. This is the same computation as a
     forward over ``prompt + completion`` per row, with G times less work on the prompt.
+
+    Under activation checkpointing (a training-mode model with ``gradient_checkpointing_enable()``) there is no
+    KV cache to share, so each row runs as one cacheless forward over ``prompt + completion`` instead: the same
+    function, with the prompt computed G times (see :func:`checkpointing_drops_cache`).
     """
+    if checkpointing_drops_cache(model):
+        logits = _logits_without_cache(model, mb)
+    else:
+        logits = _logits_with_shared_prompt(model, mb)
+    logp = selective_log_softmax(logits, mb.completion_ids, temperature)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = token_entropy(logits.detach(), temperature)
+    return logp, entropy
+
+
+def checkpointing_drops_cache(model: nn.Module) -> bool:
+    """Whether transformers will refuse a KV cache in this model's forward.
+
+    With activation checkpointing on and the model in train mode, transformers (checked against 5.23) turns
+    ``use_cache`` off in the model's forward and, in every checkpointed decoder layer, replaces
+    ``past_key_values`` with ``None`` (a layer recomputed in the backward pass would append its keys and values
+    to the cache a second time). An explicit ``DynamicCache`` is dropped the same way, whatever the
+    checkpoint's reentrancy, so prefix sharing cannot work there: the prompt pass returns no cache at all.
+    """
+    return model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def _logits_without_cache(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """Logits predicting each completion token from one forward over ``prompt + completion[:-1]`` per row."""
+    completion_len = mb.completion_ids.shape[1]
+    input_ids = torch.cat([mb.prompt_ids[mb.prompt_index], mb.completion_ids[:, :-1]], dim=1)
+    full_mask = torch.cat([mb.prompt_mask[mb.prompt_index], mb.completion_mask[:, :-1]], dim=1)
+    # the last C' positions: the last prompt token, then every completion token but the last
+    return model(
+        input_ids=input_ids,
+        attention_mask=full_mask,
+        position_ids=positions_from_mask(full_mask),
+        use_cache=False,
+        logits_to_keep=completion_len,
+    ).logits
+
+
+def _logits_with_shared_prompt(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """The same logits, with one prompt forward per distinct prompt and its KV cache shared by the rows."""
     out = model(
         input_ids=mb.prompt_ids,
         attention_mask=mb.prompt_mask,
@@ -44,9 +89,4 @@ def completion_logprobs(
             use_cache=True,
         ).logits
         logits = torch.cat([logits, rest], dim=1)
-    logp = selective_log_softmax(logits, mb.completion_ids, temperature)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = token_entropy(logits.detach(), temperature)
-    return logp, entropy
+    return logits

@@ -37,11 +37,11 @@ def tiny_module(**overrides) -> GRPOModule:
     return GRPOModule(**kwargs)
 
 
-def tiny_data(**overrides) -> RolloutDataModule:
+def tiny_data(cls: type[RolloutDataModule] = RolloutDataModule, **overrides) -> RolloutDataModule:
     kwargs = dict(prompts_per_step=2, num_generations=4, micro_batch_size=4, max_new_tokens=8, temperature=1.0,
                   rewards=[TOY_REWARD], max_prompts=32, system_prompt=None, seed=0)
     kwargs.update(overrides)
-    return RolloutDataModule(**kwargs)
+    return cls(**kwargs)
 
 
 def tiny_trainer(tmp_path, max_steps: int, callbacks=(), **overrides) -> L.Trainer:

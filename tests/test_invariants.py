@@ -3,6 +3,7 @@
 import torch
 
 from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
+from handmade import handmade_batch, loss_and_grads, perturb, select_groups
 from lit_grpo.callbacks import RefModelSwap, WeightSync
 
 
@@ -57,33 +58,45 @@ def test_v1_i4_ratio_moves_after_first_iteration_and_clipping_fires(tmp_path, re
         assert step["train/clip_low_fraction"] + step["train/clip_high_fraction"] > 0.0
 
 
-def test_masking_equal_reward_groups_gives_zero_loss_and_gradient(tmp_path):
-    module = tiny_module(mask_zero_variance=True, beta=0.1)
-    # a random model never ends with '#### N': every group is all zeros
-    data = tiny_data(rewards=["format"], reuse_policy_logprobs=False)
-    trainer = tiny_trainer(tmp_path, max_steps=1)
-    trainer.strategy.connect(module)
-    data.trainer = trainer
-    trainer.datamodule = data  # engine lookup through the trainer
-    data.setup("fit")
-    prompt_batch = next(iter(data.train_dataloader()))
-    batch = data.rollout(prompt_batch)
-    assert batch.group_mask.sum() == 0 and torch.all(batch.advantages == 0)
-    weights = module.loss_weights(batch)
-    from lit_grpo.math import grpo_loss
-    from lit_grpo.scoring import completion_logprobs
+def test_masking_drops_zero_variance_groups_from_loss_and_gradient_eq8():
+    """Eq. 8 next to eq. 7 on one batch: groups 0 and 2 have a reward spread, groups 1 and 3 do not. Their
+    advantage is 0, but pi != pi_ref (the reference is perturbed, beta > 0), so without the mask their KL term
+    would still count."""
+    rewards = [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.5, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    spread_groups, flat_groups = [0, 2], [1, 3]
 
-    ref = module.reference_logprobs(list(batch.micro_batches()))
-    total = torch.zeros(())
-    for j, mb in enumerate(batch.micro_batches()):
-        logp, _ = completion_logprobs(module.policy, mb, 1.0)
-        loss, _ = grpo_loss(logp, mb.take(batch.alpha_logp), mb.take(batch.advantages), mb.take(weights),
-                            mb.completion_mask, module.loss_config, ref_logp=ref[j])
-        loss.backward()
-        total = total + loss.detach()
-    assert total.item() == 0.0
-    grads = [p.grad for p in module.policy.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() and g.abs().max() == 0 for g in grads)
+    # masking on: the batch's loss and gradient are those of the spread groups alone, normalised over their
+    # tokens only (token_mean's denominator, written out independently of token_weights)
+    module = tiny_module(mask_zero_variance=True, beta=0.1)
+    perturb(module.reference)
+    batch = handmade_batch(rewards, len(module.tokenizer))
+    full_loss, full_grads = loss_and_grads(module, batch, module.loss_weights(batch))
+    spread, _ = select_groups(batch, spread_groups)
+    alone_loss, alone_grads = loss_and_grads(module, spread, spread.completion_mask.float() / spread.completion_mask.sum())
+    assert alone_loss != 0.0 and any(g.abs().max() > 0 for g in alone_grads.values())
+    assert abs(full_loss - alone_loss) <= 1e-6 * abs(alone_loss)
+    assert_grads_close(full_grads, alone_grads)
+
+    # masking off (eq. 7): the flat groups add their KL term, exactly the loss and gradient they have on their own
+    module = tiny_module(mask_zero_variance=False, beta=0.1)
+    perturb(module.reference)
+    weights = module.loss_weights(batch)
+    full_loss, full_grads = loss_and_grads(module, batch, weights)
+    spread, spread_rows = select_groups(batch, spread_groups)
+    flat, flat_rows = select_groups(batch, flat_groups)
+    spread_loss, spread_grads = loss_and_grads(module, spread, weights[spread_rows])
+    flat_loss, flat_grads = loss_and_grads(module, flat, weights[flat_rows])
+    assert flat_loss > 1e-4  # beta * KL(pi || pi_ref) > 0; the surrogate is 0 at A = 0
+    assert abs(full_loss - (spread_loss + flat_loss)) <= 1e-6 * abs(full_loss)
+    assert abs(full_loss - spread_loss) > 1e-4
+    assert_grads_close(full_grads, {k: spread_grads[k] + flat_grads[k] for k in full_grads})
+    assert max(float((full_grads[k] - spread_grads[k]).abs().max()) for k in full_grads) > 1e-5
+
+
+def assert_grads_close(got: dict, expected: dict, rel: float = 1e-6) -> None:
+    for name, g in expected.items():
+        tol = rel * float(g.abs().max()) + 1e-12
+        assert float((got[name] - g).abs().max()) <= tol, name
 
 
 def test_kl_is_zero_right_after_ref_swap(tmp_path, recorder):

@@ -7,6 +7,7 @@ import torch
 
 from lit_grpo.math import (
     GRPOLossConfig,
+    clip_bounds,
     clipped_surrogate,
     group_advantages,
     grpo_loss,
@@ -73,13 +74,14 @@ def test_clipped_surrogate_floor_at_zero_when_r_prime_below_eps():
     got = clipped_surrogate(ratio, torch.tensor([0.1, 0.1]), adv, 0.2, 0.2)
     # A < 0: A * max(r, 0) = -2 * 0.05 ; A > 0: A * min(r, 0.3) = 2 * 0.05
     assert got.tolist() == pytest.approx([-0.1, 0.1])
-    ratio = torch.tensor([0.0])
-    got = clipped_surrogate(ratio, torch.tensor([0.1]), torch.tensor([-2.0]), 0.2, 0.2)
-    assert got.item() == pytest.approx(0.0)  # with a negative floor it would be -2 * 0 anyway; check the bound:
-    from lit_grpo.math import clip_bounds
-
-    low, high = clip_bounds(torch.tensor([0.1]), 0.2, 0.2)
-    assert low.item() == 0.0 and high.item() == pytest.approx(0.3)
+    # For r >= 0 the floor cannot show in f_eps's value (A * max(r, low) = A * r whenever low <= 0), so it is
+    # checked on the interval itself, on both code paths (tensor r' and the float r' = 1 of the practical choice).
+    low, high = clip_bounds(torch.tensor([0.1, 0.5]), 0.2, 0.2)
+    assert low[0].item() == 0.0  # floored: r' - eps = -0.1
+    assert low[1].item() == pytest.approx(0.3)  # r' >= eps: no floor
+    assert high.tolist() == pytest.approx([0.3, 0.7])
+    assert clip_bounds(0.1, 0.2, 0.3) == (0.0, pytest.approx(0.4))
+    assert clip_bounds(1.0, 0.2, 0.3) == (pytest.approx(0.8), pytest.approx(1.3))
 
 
 def test_clipped_surrogate_asymmetric_eps():

@@ -11,3 +11,8 @@ def flaky(completion: str, answer: str, **kwargs) -> float:
     if completion and completion[0] in "aeiouAEIOU0123456789 ":
         raise RuntimeError("reward function failed on this completion")
     return digit_fraction(completion, answer)
+
+
+def has_digit(completion: str, answer: str, **kwargs) -> float:
+    """1 when the completion contains a digit: about half of a random tiny model's short samples do."""
+    return float(any(ch.isdigit() for ch in completion))

@@ -23,6 +23,7 @@ from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, eos_token_ids, prompt_ids
 from lit_grpo.data.rewards import RewardRunner
 from lit_grpo.data.rollout import collate_rollouts, rollout_stats
+from lit_grpo.distributed import rank_slice
 from lit_grpo.engines.base import RolloutEngine, SamplingConfig
 
 ENGINES = ("transformers", "vllm")
@@ -30,10 +31,18 @@ ENGINES = ("transformers", "vllm")
 
 @dataclass
 class PromptBatch:
-    """Which rows of the dataset make up rollout batch number ``batch_index`` (counted over all epochs)."""
+    """Which rows of the dataset make up this rank's share of rollout batch number ``batch_index`` (counted
+    over all epochs), and the rank that draws them."""
 
     rows: list[int]
     batch_index: int
+    rank: int = 0
+
+
+def rollout_seed(seed: int, batch_index: int, rank: int) -> int:
+    """Sampling seed of one rank's rollouts for one batch: distinct per batch and per rank (rank 0 keeps the
+    one-process seed)."""
+    return seed * 1_000_003 + batch_index + rank * 1_000_000_007
 
 
 class PromptStream(IterableDataset):
@@ -51,13 +60,18 @@ class PromptStream(IterableDataset):
 
     def __iter__(self) -> Iterator[PromptBatch]:
         owner = self.owner
+        rank, world = owner.rank_and_world()
         per_epoch = owner.batches_per_epoch
+        global_batch = owner.prompts_per_step * world
         start = owner.consumed
         epoch = start // per_epoch
         order = owner.epoch_order(epoch)
         for b in range(start - epoch * per_epoch, per_epoch):
-            chunk = order[b * owner.prompts_per_step : (b + 1) * owner.prompts_per_step]
-            yield PromptBatch(rows=chunk, batch_index=epoch * per_epoch + b)
+            # one global batch of world * prompts_per_step prompts; each rank takes a contiguous share, so a
+            # group never spans two ranks and the ranks' prompts are disjoint
+            chunk = order[b * global_batch : (b + 1) * global_batch]
+            yield PromptBatch(rows=rank_slice(chunk, rank, world, owner.prompts_per_step),
+                              batch_index=epoch * per_epoch + b, rank=rank)
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -66,7 +80,8 @@ class RolloutDataModule(L.LightningDataModule):
     Args:
         dataset: ``"bundled"`` (the GSM8K copy in the package), a local jsonl/parquet path, or a Hub id
             such as ``openai/gsm8k``.
-        prompts_per_step: prompts per rollout batch (per process).
+        prompts_per_step: prompts per rollout batch per process; a step trains on
+            ``prompts_per_step * world_size`` prompts, each rank on its own share with its own sampling seed.
         num_generations: G, completions per prompt (>= 2: a group needs a spread to whiten).
         micro_batch_size: completions per forward/backward pass.
         max_new_tokens, temperature, top_p: sampling (log-probs use ``logits / temperature``).
@@ -146,9 +161,16 @@ class RolloutDataModule(L.LightningDataModule):
         self.reward_timeouts = 0
 
     # ---- prompt order -------------------------------------------------------------------------------
+    def rank_and_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
     @property
     def batches_per_epoch(self) -> int:
-        return len(self.rows) // self.prompts_per_step
+        _, world = self.rank_and_world()
+        return len(self.rows) // (self.prompts_per_step * world)
 
     def epoch_order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
@@ -221,7 +243,7 @@ class RolloutDataModule(L.LightningDataModule):
         engine.to(device)
         prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
         start = time.perf_counter()
-        seed = self.seed * 1_000_003 + prompt_batch.batch_index
+        seed = rollout_seed(self.seed, prompt_batch.batch_index, prompt_batch.rank)
         groups = engine.generate(prompts, self.num_generations, self.sampling, seed=seed)
         generate_seconds = time.perf_counter() - start
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]

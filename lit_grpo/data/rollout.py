@@ -31,7 +31,7 @@ def collate_rollouts(
     if len(rewards) != len(flat):
         raise ValueError(f"got {len(rewards)} rewards for {len(flat)} completions")
     prompt_tensor, prompt_mask = left_pad(prompts, pad_token_id, torch.device(device))
-    width = max(1, max(len(c.token_ids) for c in flat))
+    width = max(2, max(len(c.token_ids) for c in flat))  # two columns at least: see RolloutBatch.micro_batches
     completion_ids = torch.full((len(flat), width), pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros((len(flat), width), dtype=torch.long)
     sampler_logp = torch.zeros((len(flat), width), dtype=torch.float32)

@@ -4,7 +4,7 @@ seeded sampling with a KV cache, one prompt prefill shared by the prompt's n com
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -49,9 +49,11 @@ class TransformersEngine(RolloutEngine):
         rescore: bool = True,
     ) -> None:
         self.model = copy.deepcopy(model) if copy_weights else model
+        self.owns_weights = copy_weights
         if copy_weights:
+            # a private copy; a borrowed model keeps its mode (generate switches to eval and back)
             self.model.requires_grad_(False)
-        self.model.eval()
+            self.model.eval()
         self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
         if not self.eos_token_ids:
             raise ValueError("the engine needs at least one end-of-sequence token id")
@@ -67,15 +69,29 @@ class TransformersEngine(RolloutEngine):
         self.model.to(device)
         return self
 
-    @torch.inference_mode()
     def generate(
-        self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int,
+        all_finished: Callable[[bool], bool] | None = None,
+    ) -> list[list[Completion]]:
+        """``all_finished(local_done)`` decides when decoding stops; sharded (FSDP) models pass a collective so
+        that every rank runs the same number of forwards (each one is a collective). Default: this process."""
+        # A borrowed model may be sharded (FSDP2): its all-gather buffers are reused by training afterwards, and
+        # inference tensors could not be written there again, so plain no_grad for it.
+        was_training = self.model.training
+        try:
+            with torch.inference_mode() if self.owns_weights else torch.no_grad():
+                return self._generate(prompts, n, sampling, seed, all_finished)
+        finally:
+            self.model.train(was_training)  # the caller's mode, also when sampling fails
+
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int,
+        all_finished: Callable[[bool], bool] | None,
     ) -> list[list[Completion]]:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        was_training = self.model.training
         self.model.eval()
         device = self.device
         generator = torch.Generator(device=device).manual_seed(int(seed))
@@ -102,7 +118,10 @@ class TransformersEngine(RolloutEngine):
             logps.append(selective_log_softmax(scaled, sampled))
             lengths += (~finished).long()
             finished = finished | torch.isin(sampled, eos)
-            if bool(finished.all()) or len(tokens) == sampling.max_new_tokens:
+            if len(tokens) == sampling.max_new_tokens:
+                break
+            done = bool(finished.all())
+            if all_finished(done) if all_finished is not None else done:
                 break
             attention = torch.cat([attention, (~finished).long().unsqueeze(-1)], dim=1)
             logits = self.model(
@@ -112,8 +131,6 @@ class TransformersEngine(RolloutEngine):
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
-        if was_training:
-            self.model.train()
         token_rows = torch.stack(tokens, dim=1).tolist()
         logp_rows = torch.stack(logps, dim=1).tolist()
         ended = finished.tolist()

@@ -10,20 +10,55 @@ from lit_grpo.math.kl import k3_kl
 from lit_grpo.math.logprobs import selective_log_softmax, token_entropy
 from lit_grpo.math.objective import GRPOLossConfig, grpo_loss
 from lit_grpo.math.pass_at_k import pass_at_k
+from lit_grpo.math.rec import (
+    POLICY_LOSSES,
+    RECLossConfig,
+    asymre_loss,
+    make_loss_config,
+    opmd_loss,
+    rec_masks,
+    rec_oneside_is_loss,
+    rec_oneside_nois_loss,
+    rec_ring_loss,
+    rec_twoside_is_loss,
+    red_drop_advantages,
+    red_drop_loss,
+    red_weight_loss,
+    red_weights,
+)
 from lit_grpo.math.surrogate import clip_bounds, clipped_surrogate, truncate_ratio
+from lit_grpo.math.tv import TVEstimate, group_reward_std, tv_estimate, tv_from_sum_count
 
 __all__ = [
     "AGGREGATION_MODES",
     "GRPOLossConfig",
+    "POLICY_LOSSES",
+    "RECLossConfig",
+    "TVEstimate",
+    "asymre_loss",
     "clip_bounds",
     "clipped_surrogate",
     "group_advantages",
+    "group_reward_std",
     "grpo_loss",
     "k3_kl",
+    "make_loss_config",
+    "opmd_loss",
     "pass_at_k",
+    "rec_masks",
+    "rec_oneside_is_loss",
+    "rec_oneside_nois_loss",
+    "rec_ring_loss",
+    "rec_twoside_is_loss",
+    "red_drop_advantages",
+    "red_drop_loss",
+    "red_weight_loss",
+    "red_weights",
     "selective_log_softmax",
     "token_entropy",
     "token_weights",
     "truncate_ratio",
+    "tv_estimate",
+    "tv_from_sum_count",
     "zero_variance_mask",
 ]

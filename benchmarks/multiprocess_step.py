@@ -1,0 +1,159 @@
+"""Step time and peak memory per process of GRPO training in 1 process, 2 DDP processes and 2 FSDP2 processes.
+
+The job is the demo shape of ``step_time.py``: SmolLM2-135M-Instruct in float32, a frozen reference (beta 0.1),
+2 GSM8K prompts x G = 8 completions per step, 64 new tokens, temperature 1.0, one AdamW step per rollout batch,
+weights synced to the in-process rollout engine every step (v = 1). The global batch is the same in every layout:
+1 process draws both prompts; 2 processes draw one each.
+
+On a machine with few cores the processes share them (``--threads`` per process, default: cores / processes),
+so this measures the overhead of the layouts, not a speed-up: gradient all-reduce (DDP), parameter all-gathers
+and gradient reduce-scatters (FSDP2, in every forward and backward), the per-parameter gathers of the weight
+sync, and the metric reductions.
+
+Per layout and step it records the wall time of the whole step (sampling, rewards, reference and policy passes,
+optimizer step, weight sync), its parts (``rollout``, ``update``, ``sync``), and each process's peak resident
+memory (``ru_maxrss``).
+
+    python benchmarks/multiprocess_step.py                       # 1 warm-up + 3 measured steps per layout
+    python benchmarks/multiprocess_step.py --layouts fsdp2 --steps 5
+    python benchmarks/multiprocess_step.py --model tiny-random-llama --steps 2   # quick smoke test
+
+Writes ``benchmarks/results/multiprocess_step.json`` and prints a table of medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+OUTPUT = REPO_ROOT / "benchmarks" / "results" / "multiprocess_step.json"
+LAYOUTS = {"single": 1, "ddp": 2, "fsdp2": 2}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--prompts", type=int, default=2, help="global prompts per step (split over processes)")
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores/procs)")
+    parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One process of one layout: fit, time every step, print a JSON line."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from lit_grpo.callbacks import WeightSync
+    from lit_grpo.data.datamodule import RolloutDataModule
+    from lit_grpo.module import GRPOModule
+
+    layout, world = args.worker, LAYOUTS[args.worker]
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
+
+    class Timer(Callback):
+        def __init__(self) -> None:
+            self.last = time.perf_counter()
+            self.steps: list[dict] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            now = time.perf_counter()
+            m = trainer.callback_metrics
+            self.steps.append({"total": now - self.last, "rollout": float(m["rollout/rollout_seconds"]),
+                               "update": float(m["train/update_seconds"]), "sync": float(m.get("sync/seconds", 0)),
+                               "reward": float(m["rollout/reward_mean"])})
+            self.last = time.perf_counter()
+
+    timeout = timedelta(seconds=600)
+    strategy = {"single": "auto", "ddp": DDPStrategy(process_group_backend="gloo", timeout=timeout),
+                "fsdp2": ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)}
+    timer = Timer()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy[layout],
+                        max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[WeightSync(), timer],
+                        default_root_dir=str(REPO_ROOT / "benchmarks" / "results" / "lightning_logs"))
+    module = GRPOModule(model_name=args.model, beta=0.1, lr=1e-6, max_completion_length=args.max_new_tokens,
+                        log_completions_every_n_steps=None)
+    data = RolloutDataModule(prompts_per_step=args.prompts // world, num_generations=args.generations,
+                             micro_batch_size=args.prompts // world * args.generations,
+                             max_new_tokens=args.max_new_tokens, rewards=["correctness"], seed=0)
+    trainer.fit(module, datamodule=data)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps({"rank": trainer.global_rank, "steps": timer.steps[args.warmup:],
+                                  "peak_rss_mib": peak_mib, "threads": torch.get_num_threads()}), flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_layout(layout: str, args: argparse.Namespace) -> list[dict]:
+    world, port = LAYOUTS[layout], free_port()
+    argv = [sys.executable, __file__, "--worker", layout, "--model", args.model, "--prompts", str(args.prompts),
+            "--generations", str(args.generations), "--max-new-tokens", str(args.max_new_tokens),
+            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                   NODE_RANK="0", LOCAL_RANK=str(rank))
+        if world == 1:
+            for key in ("MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"):
+                env.pop(key)
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode:
+            raise SystemExit(f"{layout}: a process exited with {proc.returncode}")
+        results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.prompts % 2:
+        raise SystemExit(f"--prompts must be even so that 2 processes share it, got {args.prompts}")
+    if args.worker:
+        worker(args)
+        return
+    report = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "args": vars(args) | {
+        "output": str(args.output)}, "layouts": {}}
+    print(f"{'layout':8} {'procs':>5} {'step s':>8} {'rollout s':>10} {'update s':>9} {'sync s':>7} "
+          f"{'peak RSS MiB / process':>24}")
+    for layout in args.layouts:
+        ranks = run_layout(layout, args)
+        med = {k: statistics.median(s[k] for s in ranks[0]["steps"]) for k in ("total", "rollout", "update", "sync")}
+        report["layouts"][layout] = {"ranks": ranks, "median": med}
+        rss = " / ".join(f"{r['peak_rss_mib']:,.0f}" for r in ranks)
+        print(f"{layout:8} {len(ranks):>5} {med['total']:>8.2f} {med['rollout']:>10.2f} {med['update']:>9.2f} "
+              f"{med['sync']:>7.3f} {rss:>24}", flush=True)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

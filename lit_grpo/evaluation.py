@@ -1,0 +1,92 @@
+"""Pass@k of a policy on a split of questions: the one implementation behind the training-time callback and the
+``eval`` command.
+
+Questions are cut into fixed chunks of ``questions_per_chunk`` consecutive questions, each sampled with a seed
+derived from its first question, and the chunks are dealt round-robin to the ranks. A chunk's samples therefore
+do not depend on how many processes evaluate, and 1 or N ranks report the same numbers.
+
+Under FSDP every forward of the sharded policy is a collective, so ranks generate in lockstep: every rank runs the
+same number of chunks (a rank with none left repeats its last one and discards it) and every chunk the same
+number of decoding steps (decoding stops when all ranks are done).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lit_grpo.data.prompts import eos_token_ids, prompt_ids
+from lit_grpo.data.rewards import RewardRunner
+from lit_grpo.distributed import everyone, is_distributed, rank_and_world
+from lit_grpo.engines.base import SamplingConfig
+from lit_grpo.engines.transformers_engine import TransformersEngine
+from lit_grpo.metrics import PassAtK
+
+
+@dataclass(frozen=True)
+class PassAtKSettings:
+    """How a Pass@k evaluation samples: ``num_samples`` answers per question with ``sampling``."""
+
+    num_samples: int = 50
+    ks: tuple[int, ...] = (1,)
+    sampling: SamplingConfig = SamplingConfig(max_new_tokens=200, temperature=1.0, top_p=1.0)
+    questions_per_chunk: int = 4
+    system_prompt: str | None = None
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+        if not self.ks or max(self.ks) > self.num_samples or min(self.ks) < 1:
+            raise ValueError(f"every k in ks={list(self.ks)} must lie in [1, num_samples={self.num_samples}]")
+        if self.questions_per_chunk < 1:
+            raise ValueError(f"questions_per_chunk must be >= 1, got {self.questions_per_chunk}")
+
+
+def question_chunks(num_questions: int, per_chunk: int) -> list[list[int]]:
+    """Consecutive question indices, ``per_chunk`` at a time (the last chunk may be shorter)."""
+    return [list(range(s, min(s + per_chunk, num_questions))) for s in range(0, num_questions, per_chunk)]
+
+
+def chunks_of_rank(chunks: list[list[int]], rank: int, world: int) -> list[list[int]]:
+    """Round-robin share of the chunks; every rank gets ``ceil(len(chunks) / world)`` entries, padded with ``[]``
+    (a lockstep slot whose results are discarded)."""
+    rounds = -(-len(chunks) // world)
+    return [chunks[i] if i < len(chunks) else [] for i in range(rank, rounds * world, world)]
+
+
+@torch.no_grad()
+def evaluate_pass_at_k(
+    policy: nn.Module,
+    tokenizer,  # noqa: ANN001 (a Hugging Face tokenizer)
+    rows: Sequence[dict],
+    settings: PassAtKSettings,
+    judge: RewardRunner | None = None,
+    device: torch.device | str | None = None,
+) -> dict[int, float]:
+    """Pass@k for every k in ``settings.ks`` over ``rows`` (dicts with ``question`` and ``answer``), sampled from
+    ``policy`` itself. With a process group, all ranks must call this together; each returns the global value.
+    The policy's train/eval mode is left as it was."""
+    judge = judge or RewardRunner([("correctness", 1.0)])
+    rank, world = rank_and_world()
+    lockstep = everyone if is_distributed() else None
+    engine = TransformersEngine(policy, eos_token_ids(tokenizer, policy), tokenizer.pad_token_id, copy_weights=False)
+    device = device if device is not None else engine.device
+    metric = PassAtK(settings.ks).to(device)
+    mine = chunks_of_rank(question_chunks(len(rows), settings.questions_per_chunk), rank, world)
+    last_real: list[int] = next((c for c in reversed(mine) if c), [0])
+    for chunk in mine:
+        work = chunk or last_real  # an empty slot still runs the same forwards as the other ranks
+        prompts = [prompt_ids(tokenizer, rows[i]["question"], settings.system_prompt) for i in work]
+        groups = engine.generate(prompts, settings.num_samples, settings.sampling,
+                                 seed=settings.seed * 1_000_003 + work[0], all_finished=lockstep)
+        if not chunk:
+            continue
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+        answers = [rows[i]["answer"] for i in chunk for _ in range(settings.num_samples)]
+        correct = torch.tensor(judge(texts, answers).rewards).view(len(chunk), settings.num_samples) > 0.5
+        metric.update(correct.sum(dim=1), settings.num_samples)
+    return {k: float(v) for k, v in metric.compute().items()}

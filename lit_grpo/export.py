@@ -1,0 +1,78 @@
+"""``python -m lit_grpo export CKPT OUT_DIR``: the trained policy of a checkpoint as a Hugging Face model directory.
+
+The directory holds the policy's weights (safetensors), ``config.json`` and the tokenizer files, so
+``AutoModelForCausalLM.from_pretrained(OUT_DIR)``, ``vllm serve OUT_DIR`` or an evaluation harness take it as
+is. The reference model and the optimizer state stay behind. ``CKPT`` is a ``.ckpt`` file or a sharded
+checkpoint directory written by ``ModelParallelStrategy`` (see :mod:`lit_grpo.checkpoints`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch import nn
+
+from lit_grpo.checkpoints import Checkpoint, CheckpointError
+from lit_grpo.models import load_model_and_tokenizer
+
+POLICY_PREFIX = "policy."  # GRPOModule keeps the policy in `self.policy`
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """Names under which a tensor already listed under another name appears again (tied input and output
+    embeddings): a checkpoint may store only one of them."""
+    first = set(dict(model.named_parameters()))
+    return {name for name, _ in model.named_parameters(remove_duplicate=False) if name not in first}
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write the policy of a GRPOModule checkpoint to ``out_dir`` as a Hugging Face model directory.
+
+    The model and tokenizer are rebuilt from the checkpoint's ``hyper_parameters`` (``model_name``, ``dtype``)
+    with :func:`lit_grpo.models.load_model_and_tokenizer`, then given the checkpoint's policy weights. Raises
+    :class:`CheckpointError` (a ``ValueError``) naming the file when it cannot be read or does not fit.
+    """
+    ckpt = Checkpoint(checkpoint)
+    hp = ckpt.hyper_parameters
+    model_name = hp.get("model_name")
+    if not isinstance(model_name, str) or not model_name:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} has no hyper_parameters.model_name: expected a checkpoint of a GRPOModule"
+        )
+    if not ckpt.shapes(POLICY_PREFIX):
+        raise CheckpointError(f"checkpoint {ckpt.path} holds no '{POLICY_PREFIX}*' tensors: no policy to export")
+    model, tokenizer = load_model_and_tokenizer(model_name, hp.get("dtype", "float32"))
+    expected = model.state_dict()
+    aliases = tied_aliases(model)
+    ckpt.check_fits(expected, prefix=POLICY_PREFIX, optional=aliases)
+    missing, unexpected = model.load_state_dict(ckpt.tensors(POLICY_PREFIX, like=expected), strict=False)
+    if set(missing) - aliases or unexpected:  # check_fits rules this out; a silent partial load must not happen
+        raise CheckpointError(f"checkpoint {ckpt.path}: loading left {missing or unexpected} unmatched")
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # noqa: ANN201 - NoReturn
+        # one line, raised to the caller, like the rest of the CLI's usage errors (argparse would print usage)
+        raise CheckpointError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
+
+
+def main(argv: Sequence[str]) -> Path:
+    """The ``export`` subcommand; errors are raised for the CLI to print."""
+    parser = _Parser(
+        prog="python -m lit_grpo export",
+        description="Write the policy of a checkpoint as a Hugging Face model directory "
+        "(safetensors weights, config.json, tokenizer files).",
+    )
+    parser.add_argument("checkpoint", help="a .ckpt file, or a sharded checkpoint directory (ModelParallelStrategy)")
+    parser.add_argument("out_dir", help="directory to write (created if needed; files of the same name are replaced)")
+    args = parser.parse_args(list(argv))
+    out = export_checkpoint(args.checkpoint, args.out_dir)
+    print(f"wrote {out}")
+    return out

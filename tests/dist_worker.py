@@ -1,0 +1,115 @@
+"""One rank of a multi-process test (or the single process it is compared with).
+
+Usage: python dist_worker.py JOBS_JSON OUT_PREFIX. Each job is a dict (see ``run_job``); rank r writes the list of
+job results to ``OUT_PREFIX.r.json``. Launched by ``distributed_launch.launch`` with the environment variables of
+an external launcher (LOCAL_RANK, WORLD_SIZE, ...), so Lightning joins the processes instead of spawning them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
+from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
+from lit_grpo.data.datamodule import RolloutDataModule
+from lit_grpo.data.rewards import RewardRunner
+from lit_grpo.distributed import full_named_parameters
+from scripted_engine import ScriptedDataModule
+
+KEYS = ("train/loss", "train/kl", "rollout/reward_mean", "rollout/reward_std", "rollout/frac_zero_variance",
+        "rollout/generated_tokens", "train/staleness", "train/ratio_first_iteration_min",
+        "train/ratio_first_iteration_max", "train/ratio_mean", "train/clip_low_fraction", "train/entropy", "train/grad_norm")
+
+
+def make_strategy(kind: str, world: int):  # noqa: ANN201
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    timeout = timedelta(seconds=90)  # a deadlock fails the test in seconds, not Lightning's 30 minutes
+    if kind == "single":
+        return "auto"
+    if kind == "ddp":
+        return DDPStrategy(process_group_backend="gloo", timeout=timeout)
+    if kind == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)
+    raise ValueError(kind)
+
+
+class RecordRows:
+    """Mixin for a data module: remember the dataset rows of every rollout batch this rank drew."""
+
+    def rollout(self, prompt_batch):  # noqa: ANN001, ANN201
+        self.drawn = getattr(self, "drawn", []) + [list(prompt_batch.rows)]
+        return super().rollout(prompt_batch)
+
+
+class RealData(RecordRows, RolloutDataModule):
+    pass
+
+
+class ScriptedData(RecordRows, ScriptedDataModule):
+    pass
+
+
+class EngineVsPolicy(MetricsRecorder):
+    """After each step (and after WeightSync, which comes first in the list): does the engine hold exactly the
+    full policy? Gathering is a collective, so every rank runs it."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        engine = trainer.datamodule.rollout_engine
+        mine = dict(engine.model.named_parameters())
+        same = all(torch.equal(mine[name], full) for name, full in full_named_parameters(pl_module.policy))
+        self.steps.append({"global_step": trainer.global_step, "synced_step": engine.synced_step, "same": same})
+
+
+def run_job(job: dict, workdir: str) -> dict:
+    torch.set_num_threads(1)
+    world = int(job.get("world", 1))
+    recorder = MetricsRecorder()
+    callbacks = [WeightSync(every_n_steps=job.get("v", 1))]
+    if job.get("swap_every"):
+        callbacks.append(RefModelSwap(every_n_steps=job["swap_every"]))
+    compare = EngineVsPolicy() if job.get("compare_engine") else None
+    callbacks += [c for c in (compare,) if c is not None]
+    evaluator = None
+    if job.get("eval"):
+        e = job["eval"]
+        evaluator = GSM8KPassAtK(every_n_steps=None, at_start=True, at_end=False, num_samples=e["num_samples"],
+                                 ks=e["ks"], num_questions=e["num_questions"], questions_per_chunk=e["per_chunk"],
+                                 max_new_tokens=e["max_new_tokens"], system_prompt=None)
+        evaluator.judge = RewardRunner([("toy_rewards:has_digit", 1.0)])
+        callbacks.append(evaluator)
+    callbacks.append(recorder)
+    data_cls = ScriptedData if job.get("scripted") else RealData
+    data = tiny_data(cls=data_cls, **job.get("data", {}))
+    module = tiny_module(**job.get("module", {}))
+    trainer = tiny_trainer(workdir, max_steps=job["max_steps"], callbacks=callbacks, devices=world,
+                           strategy=make_strategy(job.get("strategy", "single"), world))
+    trainer.fit(module, datamodule=data, ckpt_path=job.get("ckpt_in"))
+    if job.get("ckpt_out"):
+        trainer.save_checkpoint(job["ckpt_out"])
+    full = {name: t.detach().clone() for name, t in full_named_parameters(module.policy)}  # every rank gathers
+    if job.get("weights_out") and trainer.global_rank == 0:
+        torch.save(full, job["weights_out"])
+    return {
+        "steps": [{k: s[k] for k in KEYS if k in s} for s in recorder.steps],
+        "drawn": getattr(data, "drawn", []),
+        "engine_vs_policy": compare.steps if compare else None,
+        "eval": evaluator.history if evaluator else None,
+        "rank": trainer.global_rank,
+        "world": trainer.world_size,
+    }
+
+
+if __name__ == "__main__":
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    prefix = sys.argv[2]
+    results = []
+    for i, job in enumerate(jobs):
+        results.append(run_job(job, str(Path(prefix).parent / f"job{i}")))
+    rank = results[0]["rank"] if results else 0
+    Path(f"{prefix}.{rank}.json").write_text(json.dumps(results))

@@ -1,0 +1,58 @@
+"""Start N real processes of ``dist_worker.py`` the way torchrun would (environment variables, one process per
+rank, gloo on 127.0.0.1) and collect their results. A rank that fails or hangs fails the launch: every process
+is killed and the tail of each one's output is in the error."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(jobs: list[dict], world: int, workdir: Path, timeout_s: float = 300.0) -> list[list[dict]]:
+    """Run ``jobs`` in ``world`` processes; returns each rank's list of job results, in rank order."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = workdir / "jobs.json"
+    spec.write_text(json.dumps([{**job, "world": world} for job in jobs]))
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                   NODE_RANK="0", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+        log = open(workdir / f"rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec), str(workdir / "out")], env=env,
+                                      cwd=WORKER.parent, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        hung = [r for r, p in enumerate(procs) if p.poll() is None]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    if hung or any(codes):
+        tails = "\n".join(f"--- rank {r} (exit {codes[r]}) ---\n" + (workdir / f"rank{r}.log").read_text()[-3000:]
+                          for r in range(world))
+        raise AssertionError(f"multi-process run failed (hung ranks: {hung}, exit codes: {codes})\n{tails}")
+    return [json.loads((workdir / f"out.{r}.json").read_text()) for r in range(world)]
