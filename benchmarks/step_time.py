@@ -14,7 +14,7 @@ chat-formatted with ``DEFAULT_SYSTEM_PROMPT`` as the system message; TRL gets th
 conversational dataset, and the script checks that both sides tokenize them to the same ids.
 
 * ``ours``: a real ``lightning.Trainer.fit`` of ``GRPOModule`` + ``RolloutDataModule`` (in-process
-  ``transformers`` rollout engine, ``WeightSync(every_n_steps=1)``).
+  ``transformers`` rollout engine, ``WeightSync(every_n_batches=1)``).
 * ``trl``: ``trl.GRPOTrainer.train()`` on CPU (no vLLM, no bf16, no gradient checkpointing), with the model
   object loaded by ``lit_grpo.models.load_model_and_tokenizer`` and a reward function that wraps
   ``lit_grpo.data.rewards.correctness_reward``.
@@ -224,7 +224,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         trainer = L.Trainer(
             max_steps=args.warmup + args.steps, accelerator="cpu", devices=1, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=workdir, callbacks=[WeightSync(every_n_steps=1), recorder],
+            default_root_dir=workdir, callbacks=[WeightSync(every_n_batches=1), recorder],
         )
         start = time.perf_counter()
         trainer.fit(module, datamodule=data)

@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lit_grpo.callbacks.interval import Interval
 from lit_grpo.callbacks.protocol import policy_of
 from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
@@ -19,8 +20,9 @@ from lit_grpo.evaluation import PassAtKSettings, evaluate_pass_at_k
 
 class GSM8KPassAtK(Callback):
     """Sample ``num_samples`` answers per test question from the *current policy* (not the lagging rollout
-    engine) and log ``eval/pass@k`` for each k: every ``every_n_steps`` optimizer steps, at the start if
-    ``at_start``, and at the end of training if ``at_end``. The paper's evaluation is Pass@1 from 50 samples
+    engine) and log ``eval/pass@k`` for each k: every ``every_n_optimizer_steps`` optimizer steps (or
+    ``every_n_batches`` rollout batches, which then replaces the optimizer-step default; see
+    ``lit_grpo.callbacks.interval``), at the start if ``at_start``, and at the end of training if ``at_end``. The paper's evaluation is Pass@1 from 50 samples
     with the training sampling settings.
 
     Questions are the first ``num_questions`` of the split (all when None), dealt to the ranks in chunks of
@@ -31,7 +33,8 @@ class GSM8KPassAtK(Callback):
 
     def __init__(
         self,
-        every_n_steps: int | None = 50,
+        every_n_optimizer_steps: int | None = 50,
+        every_n_batches: int | None = None,
         num_samples: int = 50,
         ks: Sequence[int] = (1,),
         num_questions: int | None = None,
@@ -46,11 +49,12 @@ class GSM8KPassAtK(Callback):
         at_end: bool = True,
         seed: int = 1234,
     ) -> None:
-        if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}")
         if num_questions is not None and num_questions < 1:
             raise ValueError(f"num_questions must be >= 1 or None, got {num_questions}")
-        self.every_n_steps = every_n_steps
+        if every_n_batches is not None:
+            every_n_optimizer_steps = None  # the batch count was asked for explicitly
+        self.interval = Interval("GSM8KPassAtK", every_n_batches, every_n_optimizer_steps)
+        self.batches_seen = 0
         # validates num_samples, ks and questions_per_chunk before the dataset is read
         self.settings = PassAtKSettings(
             num_samples=num_samples, ks=tuple(int(k) for k in ks),
@@ -88,9 +92,8 @@ class GSM8KPassAtK(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.every_n_steps is None:
-            return
-        boundary = trainer.global_step // self.every_n_steps
+        self.batches_seen += 1
+        boundary = self.interval.boundaries(trainer, self.batches_seen)
         if boundary > self.boundaries_done:
             self.boundaries_done = boundary
             self.evaluate(trainer, pl_module)
@@ -99,9 +102,17 @@ class GSM8KPassAtK(Callback):
         if self.at_end and not self._evaluated_at(trainer.global_step):
             self.evaluate(trainer, pl_module)
 
+    @property
+    def state_key(self) -> str:
+        # unique per period, so two instances (e.g. different units) can be checkpointed side by side
+        return self._generate_state_key(every_n_batches=self.interval.every_n_batches,
+                                        every_n_optimizer_steps=self.interval.every_n_optimizer_steps)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history), "boundaries_done": self.boundaries_done}
+        return {"history": list(self.history), "boundaries_done": self.boundaries_done,
+                "batches_seen": self.batches_seen}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict["history"])
         self.boundaries_done = int(state_dict["boundaries_done"])
+        self.batches_seen = int(state_dict.get("batches_seen", 0))

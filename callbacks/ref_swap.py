@@ -8,35 +8,40 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lit_grpo.callbacks.interval import Interval
 from lit_grpo.callbacks.protocol import policy_of
 
 
 class RefModelSwap(Callback):
-    """Copy the policy's weights into ``pl_module.reference`` every ``every_n_epochs`` epochs or every
-    ``every_n_steps`` optimizer steps (default: every epoch), at most ``max_swaps`` times (the paper's S stages).
+    """Copy the policy's weights into ``pl_module.reference`` at the end of each stage (Algorithm 1, line 16), at
+    most ``max_swaps`` times (the paper's S stages). A stage is ``every_n_epochs`` epochs (default: 1), or
+    ``every_n_batches`` rollout batches, or ``every_n_optimizer_steps`` optimizer steps (one of the three; see
+    ``lit_grpo.callbacks.interval`` for the units).
 
     ``reset_optimizer`` also clears the optimizer's moment estimates at each swap. After a swap,
     ``KL(pi || pi_ref)`` is exactly 0 until the next update.
     """
 
-    def __init__(self, every_n_epochs: int | None = None, every_n_steps: int | None = None,
-                 max_swaps: int | None = None, reset_optimizer: bool = False) -> None:
-        if every_n_epochs is not None and every_n_steps is not None:
-            raise ValueError("set one of every_n_epochs or every_n_steps for the stage length, not both")
-        if every_n_epochs is None and every_n_steps is None:
+    def __init__(self, every_n_epochs: int | None = None, every_n_batches: int | None = None,
+                 every_n_optimizer_steps: int | None = None, max_swaps: int | None = None,
+                 reset_optimizer: bool = False) -> None:
+        self.interval = Interval("RefModelSwap", every_n_batches, every_n_optimizer_steps)
+        if every_n_epochs is not None and self.interval.active:
+            raise ValueError("RefModelSwap: set one of every_n_epochs, every_n_batches or every_n_optimizer_steps "
+                             "for the stage length, not both")
+        if every_n_epochs is None and not self.interval.active:
             every_n_epochs = 1
-        for name, value in (("every_n_epochs", every_n_epochs), ("every_n_steps", every_n_steps)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        if every_n_epochs is not None and every_n_epochs < 1:
+            raise ValueError(f"RefModelSwap: every_n_epochs must be >= 1, got {every_n_epochs}")
         if max_swaps is not None and max_swaps < 0:
             raise ValueError(f"max_swaps must be >= 0 or None, got {max_swaps}")
         self.every_n_epochs = every_n_epochs
-        self.every_n_steps = every_n_steps
         self.max_swaps = max_swaps
         self.reset_optimizer = reset_optimizer
         self.swaps = 0
         self.last_swap_step = -1
         self.stages_done = 0
+        self.batches_seen = 0
 
     @torch.no_grad()
     def swap(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -63,14 +68,23 @@ class RefModelSwap(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.every_n_steps is not None and trainer.global_step // self.every_n_steps > self.stages_done:
+        self.batches_seen += 1
+        if self.interval.active and self.interval.boundaries(trainer, self.batches_seen) > self.stages_done:
             self.swap(trainer, pl_module)
         pl_module.log("ref/swaps", float(self.swaps), on_step=True, batch_size=1)
 
+    @property
+    def state_key(self) -> str:
+        # unique per period, so two instances (e.g. different units) can be checkpointed side by side
+        return self._generate_state_key(every_n_epochs=self.every_n_epochs, every_n_batches=self.interval.every_n_batches,
+                                        every_n_optimizer_steps=self.interval.every_n_optimizer_steps)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"swaps": self.swaps, "last_swap_step": self.last_swap_step, "stages_done": self.stages_done}
+        return {"swaps": self.swaps, "last_swap_step": self.last_swap_step, "stages_done": self.stages_done,
+                "batches_seen": self.batches_seen}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.swaps = int(state_dict["swaps"])
         self.last_swap_step = int(state_dict["last_swap_step"])
         self.stages_done = int(state_dict["stages_done"])
+        self.batches_seen = int(state_dict.get("batches_seen", 0))

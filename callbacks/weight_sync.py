@@ -1,7 +1,9 @@
-"""`WeightSync`: push the policy's weights into the rollout engine every v training steps (the paper's v)."""
+"""`WeightSync`: push the policy's weights into the rollout engine every v rollout batches (the paper's v), or
+sooner when the policy has drifted from the engine by more than a total-variation budget."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -13,21 +15,36 @@ from lit_grpo.callbacks.protocol import engine_of, full_named_tensors, policy_of
 
 
 class WeightSync(Callback):
-    """Every ``every_n_steps`` training steps (rollout batches, Algorithm 1's k), load the policy's weights into
-    the rollout engine. v = 1 keeps alpha = pi_k (on-policy); v > 1 lets alpha lag (off-policy GRPO).
+    """Load the policy's weights into the rollout engine every ``every_n_batches`` rollout batches: this is the
+    paper's v (Table 1). v = 1 keeps alpha = pi_k (on-policy); v > 1 lets alpha lag (off-policy GRPO).
 
-    A training step here is one call of ``training_step`` (one rollout batch), however many optimizer steps
-    it makes. Each sync is timed (``sync/seconds``). The engine's weights are saved in checkpoints while they
-    lag the policy, so a resumed run samples from exactly the weights it would have used.
+    Unit: a rollout batch is one call of ``training_step`` (Algorithm 1's k), however many optimizer steps
+    (the paper's i) it makes; with i > 1, v = 10 means every 10 batches = 10 i optimizer steps.
+
+    Adaptive sync (``max_tv``): also sync as soon as the measured total variation between the policy and the
+    engine's weights exceeds ``max_tv`` (the ``tv_metric`` the LightningModule logs, by default ``tv/pi_alpha``
+    of ``GRPOModule``: the estimate of TV(pi, alpha) of Theorem 1 after the batch's update). Whichever comes
+    first, the v-batch interval or the TV budget, triggers the sync; ``sync/by_interval`` and ``sync/by_tv``
+    count the reasons.
+
+    Each sync is timed (``sync/seconds``). The engine's weights are saved in checkpoints while they lag the
+    policy, so a resumed run samples from exactly the weights it would have used.
     """
 
-    def __init__(self, every_n_steps: int = 1, engine: Any = None) -> None:
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps (v) must be an integer >= 1, got {every_n_steps!r}")
-        self.every_n_steps = every_n_steps
+    def __init__(self, every_n_batches: int = 1, max_tv: float | None = None, tv_metric: str = "tv/pi_alpha",
+                 engine: Any = None) -> None:
+        if not isinstance(every_n_batches, int) or every_n_batches < 1:
+            raise ValueError(f"every_n_batches (v) must be an integer >= 1, got {every_n_batches!r}")
+        if max_tv is not None and not (0 <= max_tv < math.inf):
+            raise ValueError(f"max_tv must be a finite number >= 0 or None, got {max_tv!r}")
+        self.every_n_batches = every_n_batches
+        self.max_tv = max_tv
+        self.tv_metric = tv_metric
         self.engine = engine
-        self.steps_since_sync = 0
+        self.batches_since_sync = 0
         self.num_syncs = 0
+        self.syncs_by_interval = 0
+        self.syncs_by_tv = 0
         self.last_sync_step = 0
         self.last_sync_seconds = 0.0
         self.total_sync_seconds = 0.0
@@ -41,8 +58,12 @@ class WeightSync(Callback):
         self.last_sync_seconds = time.perf_counter() - start
         self.total_sync_seconds += self.last_sync_seconds
         self.last_sync_step = trainer.global_step
-        self.steps_since_sync = 0
+        self.batches_since_sync = 0
         self.num_syncs += 1
+
+    def measured_tv(self, trainer: L.Trainer) -> float | None:
+        value = trainer.callback_metrics.get(self.tv_metric)
+        return None if value is None else float(value)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = engine_of(trainer, pl_module, self.engine)
@@ -61,11 +82,22 @@ class WeightSync(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.steps_since_sync += 1
-        if self.steps_since_sync >= self.every_n_steps:
+        self.batches_since_sync += 1
+        by_interval = self.batches_since_sync >= self.every_n_batches
+        tv = self.measured_tv(trainer) if self.max_tv is not None else None
+        if self.max_tv is not None and tv is None:
+            raise RuntimeError(f"WeightSync(max_tv={self.max_tv}) reads the metric {self.tv_metric!r}, which the "
+                               "LightningModule did not log this step")
+        by_tv = tv is not None and tv > self.max_tv
+        if by_interval or by_tv:
             self.sync(trainer, pl_module)
+            # the metric is reduced over ranks, so every rank takes the same decision (the sync is a collective)
+            self.syncs_by_interval += int(by_interval)
+            self.syncs_by_tv += int(by_tv and not by_interval)
             pl_module.log("sync/seconds", self.last_sync_seconds, on_step=True, batch_size=1)
         pl_module.log("sync/count", float(self.num_syncs), on_step=True, batch_size=1)
+        pl_module.log("sync/by_interval", float(self.syncs_by_interval), on_step=True, batch_size=1)
+        pl_module.log("sync/by_tv", float(self.syncs_by_tv), on_step=True, batch_size=1)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         engine = engine_of(trainer, pl_module, self.engine)
@@ -83,16 +115,20 @@ class WeightSync(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "every_n_steps": self.every_n_steps,
-            "steps_since_sync": self.steps_since_sync,
+            "every_n_batches": self.every_n_batches,
+            "batches_since_sync": self.batches_since_sync,
             "num_syncs": self.num_syncs,
+            "syncs_by_interval": self.syncs_by_interval,
+            "syncs_by_tv": self.syncs_by_tv,
             "last_sync_step": self.last_sync_step,
             "total_sync_seconds": self.total_sync_seconds,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.steps_since_sync = int(state_dict["steps_since_sync"])
+        self.batches_since_sync = int(state_dict["batches_since_sync"])
         self.num_syncs = int(state_dict["num_syncs"])
+        self.syncs_by_interval = int(state_dict.get("syncs_by_interval", 0))
+        self.syncs_by_tv = int(state_dict.get("syncs_by_tv", 0))
         self.last_sync_step = int(state_dict["last_sync_step"])
         self.total_sync_seconds = float(state_dict["total_sync_seconds"])
         self._restored = True

@@ -47,6 +47,8 @@ class RolloutBatch:
     micro_batch_size: int = 8
     batch_index: int = 0  # position in the prompt stream (for resume)
     rollout_step: int = 0  # optimizer step whose policy weights the engine held when sampling
+    advantage_eps: float = 1e-4  # how the advantages were whitened (eq. 2), for losses that recompute them
+    scale_rewards: bool = True
     stats: dict[str, float] = field(default_factory=dict)
 
     @property

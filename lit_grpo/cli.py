@@ -26,6 +26,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
+from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
 from lit_grpo.checkpoints import Checkpoint, CheckpointError
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.module import GRPOModule
@@ -123,10 +124,19 @@ class GRPOCLI(LightningCLI):
         parser.add_lightning_class_args(self._model_class, "model", subclass_mode=self.subclass_mode_model)
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001
-        # The loss must use the temperature the rollouts were sampled with, and Dr.GRPO's constant
-        # normaliser is the generation budget.
+        # The three callbacks of the method are always there, each configured in its own section, so that a
+        # Table 1 row is a short file on top of a base config (a second `--config` overrides single keys;
+        # a `trainer.callbacks` list could only be replaced whole). Other callbacks go in trainer.callbacks.
+        parser.add_lightning_class_args(WeightSync, "sync")
+        parser.add_lightning_class_args(RefModelSwap, "ref_swap")
+        parser.add_lightning_class_args(GSM8KPassAtK, "eval")
+        # One sampling config, in `data`: the loss must use the temperature the rollouts were sampled with,
+        # evaluation samples like training (the paper's Pass@1), and Dr.GRPO's constant normaliser is the
+        # generation budget.
         parser.link_arguments("data.temperature", "model.temperature")
         parser.link_arguments("data.max_new_tokens", "model.max_completion_length")
+        for key in ("temperature", "top_p", "max_new_tokens", "system_prompt"):
+            parser.link_arguments(f"data.{key}", f"eval.{key}")
 
     # ---- turning bad values into one line -------------------------------------------------------------
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001
@@ -154,14 +164,13 @@ class GRPOCLI(LightningCLI):
             raise UsageError(f"the hyperparameters in checkpoint {path} do not fit: {err}", self._where("ckpt_path")) from err
 
     def instantiate_classes(self) -> None:
-        usage_error = False
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, MisconfigurationException) as err:
-            usage_error = True
+            _held_back.stop(replay=False)
             raise UsageError(str(err), self._where(self._raised_by(err))) from err
-        finally:
-            _held_back.stop(replay=not usage_error)
+        if self._checkpoint is None:  # else held until the checkpoint is found to fit the model
+            _held_back.stop(replay=True)
 
     def _check_checkpoint_fits(self) -> None:
         if self._checkpoint is None:
@@ -170,6 +179,7 @@ class GRPOCLI(LightningCLI):
 
         where = self._where("ckpt_path")
         if self._checkpoint.sharded and not isinstance(self.trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+            _held_back.stop(replay=False)
             raise UsageError(
                 f"checkpoint {self._checkpoint.path} is a sharded directory, which only trainer.strategy "
                 f"ModelParallelStrategy or FSDPStrategy can resume from (this run uses "
@@ -177,7 +187,9 @@ class GRPOCLI(LightningCLI):
         try:
             self._checkpoint.check_fits(self.model.state_dict(), strict=self.model.strict_loading)
         except CheckpointError as err:
+            _held_back.stop(replay=False)
             raise UsageError(str(err), where) from err
+        _held_back.stop(replay=True)
 
     def before_fit(self) -> None:
         self._check_checkpoint_fits()

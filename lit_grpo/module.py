@@ -27,7 +27,8 @@ from lit_grpo.distributed import (
     sum_over_ranks,
 )
 from lit_grpo.math.aggregation import AGGREGATION_MODES, token_weights
-from lit_grpo.math.objective import GRPOLossConfig, grpo_loss
+from lit_grpo.math.rec import POLICY_LOSSES, make_loss_config, red_drop_advantages
+from lit_grpo.math.tv import tv_estimate
 from lit_grpo.models import disable_dropout, load_model_and_tokenizer
 from lit_grpo.optim import SCHEDULES, build_optimizer
 from lit_grpo.scoring import completion_logprobs
@@ -49,6 +50,15 @@ class GRPOModule(L.LightningModule):
         max_completion_length: normaliser of the ``constant`` aggregation (linked from ``max_new_tokens``).
         log_completions_every_n_steps: write one sampled completion per group, with its reward, to TensorBoard
             as text every N training steps (None: never).
+        loss: the policy loss, ``grpo`` (eq. 6/7, the default) or one of the REC / RED / REP family of
+            group-relative REINFORCE (``rec_oneside_nois``, ``rec_oneside_is``, ``rec_twoside_is``, ``rec_ring``,
+            ``red_drop``, ``red_weight``, ``opmd``, ``asymre``; see ``lit_grpo.math.rec``). ``eps_low``,
+            ``eps_high`` and ``beta`` apply to all; ``exact_ref_ratio`` and ``ratio_cap`` to ``grpo`` only.
+        loss_options: the REC family's other knobs (``ring_eps_low``, ``ring_eps_high``, ``tau``,
+            ``red_weight_temperature``).
+        monitor_tv_after_update: measure TV(pi, alpha) after the batch's last optimizer step with one extra
+            no-grad pass over the batch (Theorem 1 monitor, ``tv/pi_alpha``); off: no extra pass, and
+            ``tv/pi_alpha`` is measured at the last iteration's forward, before its optimizer step.
     """
 
     def __init__(
@@ -74,6 +84,9 @@ class GRPOModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         log_entropy: bool = True,
         log_completions_every_n_steps: int | None = 50,
+        loss: str = "grpo",
+        loss_options: dict[str, float] | None = None,
+        monitor_tv_after_update: bool = True,
     ) -> None:
         super().__init__()
         if iterations_per_batch < 1:
@@ -88,10 +101,12 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"lr must be > 0, got {lr}")
         if max_completion_length < 1:
             raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
-        self.loss_config = GRPOLossConfig(
-            eps_low=eps_low, eps_high=eps_low if eps_high is None else eps_high, beta=beta,
-            exact_ref_ratio=exact_ref_ratio, ratio_cap=ratio_cap,
-        )
+        options = dict(eps_low=eps_low, eps_high=eps_low if eps_high is None else eps_high, beta=beta)
+        # GRPO-only knobs are passed only when set, so a REC loss given one fails loudly instead of ignoring it
+        options.update({"exact_ref_ratio": True} if exact_ref_ratio else {})
+        options.update({"ratio_cap": ratio_cap} if ratio_cap is not None else {})
+        self.loss_config = make_loss_config(loss, **options, **(loss_options or {}))
+        self.loss_fn = POLICY_LOSSES[loss]
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.policy, self.tokenizer = load_model_and_tokenizer(model_name, dtype)
@@ -143,8 +158,21 @@ class GRPOModule(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def loss_weights(self, batch: RolloutBatch) -> torch.Tensor:
+    def red_drop(self, batch: RolloutBatch) -> torch.Tensor:
+        """RED-Drop shapes the data: recompute the advantages on a balanced subset of each group and drop the
+        rest from the loss (their tokens leave the loss weights, as eq. 8's groups do). Seeded by batch and rank,
+        so a resumed run drops the same samples. Returns the ``[S]`` keep mask."""
+        rank, _ = rank_and_world()
+        generator = torch.Generator().manual_seed(batch.batch_index * 1_000_003 + rank)
+        advantages, keep = red_drop_advantages(batch.rewards.view(-1, batch.group_size).cpu(), generator,
+                                               eps=batch.advantage_eps, scale=batch.scale_rewards)
+        batch.advantages = advantages.view(-1).to(batch.advantages.device)
+        return keep.view(-1).to(batch.completion_mask.device, torch.float32)
+
+    def loss_weights(self, batch: RolloutBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
         mask = batch.completion_mask.float()
+        if keep is not None:
+            mask = mask * keep.unsqueeze(-1)
         if self.hparams.mask_zero_variance:
             mask = mask * batch.group_mask.unsqueeze(-1)
         # denominators over the global batch (all ranks), so the sum of the ranks' losses is the one-process loss
@@ -165,7 +193,8 @@ class GRPOModule(L.LightningModule):
         # DDP and FSDP average gradients over ranks; the weights already divide by global totals, so undo the mean
         _, world = rank_and_world()
         start = time.perf_counter()
-        weights = self.loss_weights(batch)
+        keep = self.red_drop(batch) if hp.loss == "red_drop" else None
+        weights = self.loss_weights(batch, keep)
         micro_batches = list(batch.micro_batches())
         ref_logps = self.reference_logprobs(micro_batches)
         pik_logps: list[torch.Tensor | None] = [None] * len(micro_batches)
@@ -181,10 +210,17 @@ class GRPOModule(L.LightningModule):
                     if entropy is not None:
                         entropy_sum += (entropy * mb.completion_mask).sum().double().cpu()
                 alpha_logp = pik_logps[j] if batch.alpha_logp is None else mb.take(batch.alpha_logp)
-                loss, stats = grpo_loss(
-                    logp, alpha_logp, mb.take(batch.advantages), mb.take(weights),
-                    mb.completion_mask, self.loss_config, pik_logp=pik_logps[j], ref_logp=ref_logps[j],
+                loss, stats = self.loss_fn(
+                    logp=logp, alpha_logp=alpha_logp, advantages=mb.take(batch.advantages),
+                    weights=mb.take(weights), mask=mb.completion_mask, config=self.loss_config,
+                    pik_logp=pik_logps[j], ref_logp=ref_logps[j],
                 )
+                # Theorem 1 monitor: TV(pi_k, alpha) at the first iteration, TV(pi, alpha) at the last one
+                if iteration == 0:
+                    tv = tv_estimate(pik_logps[j], alpha_logp, mb.completion_mask)
+                    stats.update(tv_pik_alpha_sum=tv.sum, tv_tokens=tv.count)
+                if iteration == hp.iterations_per_batch - 1 and not hp.monitor_tv_after_update:
+                    stats["tv_pi_alpha_sum"] = tv_estimate(logp, alpha_logp, mb.completion_mask).sum
                 self.manual_backward(loss * world if world > 1 else loss)
                 loss_total += loss.detach().double().cpu()
                 merge_stats(totals, stats)
@@ -195,9 +231,23 @@ class GRPOModule(L.LightningModule):
             scheduler.step()
             iteration_stats.append(totals)
             losses.append(loss_total)
+        if hp.monitor_tv_after_update:
+            iteration_stats[-1]["tv_pi_alpha_sum"] = self.tv_after_update(batch, micro_batches, pik_logps)
         update_seconds = time.perf_counter() - start
         self.log_step(batch, iteration_stats, losses, grad_norms, entropy_sum, staleness, update_seconds)
         return torch.stack(losses).mean()
+
+    @torch.no_grad()
+    def tv_after_update(self, batch: RolloutBatch, micro_batches: list[MicroBatch],
+                        pik_logps: list[torch.Tensor]) -> torch.Tensor:
+        """Sum over tokens of the TV(pi, alpha) estimate with pi the policy after the batch's last optimizer step
+        (one no-grad pass; every rank makes it, so sharded ranks stay in step)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for j, mb in enumerate(micro_batches):
+            logp, _ = completion_logprobs(self.policy, mb, self.hparams.temperature)
+            alpha_logp = pik_logps[j] if batch.alpha_logp is None else mb.take(batch.alpha_logp)
+            total += tv_estimate(logp, alpha_logp, mb.completion_mask).sum.cpu()
+        return total
 
     # ---- logging --------------------------------------------------------------------------------------
     def log_step(self, batch: RolloutBatch, iteration_stats: list[dict], losses: list[torch.Tensor],
@@ -248,6 +298,9 @@ class GRPOModule(L.LightningModule):
             "train/update_tokens_per_second": tokens * n_it / max(update_seconds, 1e-9),
             "train/lr": float(self.lr_schedulers().get_last_lr()[0]),
             "train/grad_norm": sum(grad_norms) / len(grad_norms),
+            # Theorem 1: the two TV terms, per sampled token (sigma_alpha is rollout/reward_std)
+            "tv/pik_alpha": float(g["it0/tv_pik_alpha_sum"]) / max(float(g["it0/tv_tokens"]), 1.0),
+            "tv/pi_alpha": float(g[f"it{n_it - 1}/tv_pi_alpha_sum"]) / max(float(g["it0/tv_tokens"]), 1.0),
         }
         for key, value in g.items():
             if key.startswith("rollout/"):

@@ -70,15 +70,15 @@ def run_job(job: dict, workdir: str) -> dict:
     torch.set_num_threads(1)
     world = int(job.get("world", 1))
     recorder = MetricsRecorder()
-    callbacks = [WeightSync(every_n_steps=job.get("v", 1))]
+    callbacks = [WeightSync(every_n_batches=job.get("v", 1))]
     if job.get("swap_every"):
-        callbacks.append(RefModelSwap(every_n_steps=job["swap_every"]))
+        callbacks.append(RefModelSwap(every_n_optimizer_steps=job["swap_every"]))
     compare = EngineVsPolicy() if job.get("compare_engine") else None
     callbacks += [c for c in (compare,) if c is not None]
     evaluator = None
     if job.get("eval"):
         e = job["eval"]
-        evaluator = GSM8KPassAtK(every_n_steps=None, at_start=True, at_end=False, num_samples=e["num_samples"],
+        evaluator = GSM8KPassAtK(every_n_optimizer_steps=None, at_start=True, at_end=False, num_samples=e["num_samples"],
                                  ks=e["ks"], num_questions=e["num_questions"], questions_per_chunk=e["per_chunk"],
                                  max_new_tokens=e["max_new_tokens"], system_prompt=None)
         evaluator.judge = RewardRunner([("toy_rewards:has_digit", 1.0)])

@@ -17,7 +17,7 @@ KEYS = ("train/loss", "train/kl", "rollout/reward_mean", "train/staleness")
 def run(max_steps: int, workdir: str, ckpt_in: str | None = None, ckpt_out: str | None = None) -> list[dict]:
     torch.set_num_threads(1)
     recorder = MetricsRecorder()
-    callbacks = [WeightSync(every_n_steps=2), RefModelSwap(every_n_steps=4), recorder]
+    callbacks = [WeightSync(every_n_batches=2), RefModelSwap(every_n_optimizer_steps=4), recorder]
     trainer = tiny_trainer(workdir, max_steps=max_steps, callbacks=callbacks)
     trainer.fit(tiny_module(beta=0.1, lr=1e-2), datamodule=tiny_data(), ckpt_path=ckpt_in)
     if ckpt_out:

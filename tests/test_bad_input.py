@@ -53,6 +53,10 @@ def test_data_module_rejects(kwargs, match):
     ({"loss_aggregation": "sum"}, "sum"),
     ({"lr_schedule": "step"}, "step"),
     ({"beta": -0.5}, "beta"),
+    ({"loss": "ppo"}, "ppo"),
+    ({"loss": "rec_ring", "ratio_cap": 2.0}, "ratio_cap"),
+    ({"loss": "opmd", "loss_options": {"tau": -1.0}}, "tau"),
+    ({"loss": "grpo", "loss_options": {"tau": 0.1}}, "tau"),
 ])
 def test_module_rejects_before_loading_the_model(kwargs, match, monkeypatch):
     import lit_grpo.module as module
@@ -66,9 +70,12 @@ def test_module_rejects_before_loading_the_model(kwargs, match, monkeypatch):
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: WeightSync(every_n_steps=0), "every_n_steps"),
-    (lambda: RefModelSwap(every_n_steps=0), "every_n_steps"),
-    (lambda: RefModelSwap(every_n_epochs=1, every_n_steps=2), "not both"),
+    (lambda: WeightSync(every_n_batches=0), "every_n_batches"),
+    (lambda: WeightSync(max_tv=-0.1), "max_tv"),
+    (lambda: RefModelSwap(every_n_optimizer_steps=0), "every_n_optimizer_steps"),
+    (lambda: RefModelSwap(every_n_epochs=1, every_n_optimizer_steps=2), "not both"),
+    (lambda: RefModelSwap(every_n_batches=1, every_n_optimizer_steps=2), "not both"),
+    (lambda: GSM8KPassAtK(every_n_optimizer_steps=0), "every_n_optimizer_steps"),
     (lambda: GSM8KPassAtK(num_samples=4, ks=[8]), "ks"),
 ])
 def test_callbacks_reject(make, match):

@@ -29,9 +29,9 @@ def test_weight_sync_ref_swap_and_eval_in_a_plain_module(tmp_path):
     module = PlainLM()
     engine = TransformersEngine(module.policy, [module.tokenizer.eos_token_id], module.tokenizer.pad_token_id)
     data = DataLoader(torch.randint(4, 90, (12, 2, 16)), batch_size=None)
-    sync = WeightSync(every_n_steps=3, engine=engine)
-    swap = RefModelSwap(every_n_steps=2)
-    evaluator = GSM8KPassAtK(every_n_steps=4, num_samples=2, ks=[1, 2], num_questions=2, max_new_tokens=4,
+    sync = WeightSync(every_n_batches=3, engine=engine)
+    swap = RefModelSwap(every_n_optimizer_steps=2)
+    evaluator = GSM8KPassAtK(every_n_optimizer_steps=4, num_samples=2, ks=[1, 2], num_questions=2, max_new_tokens=4,
                              system_prompt=None)
     engine_steps = []
 

@@ -15,7 +15,8 @@ REQUIRED_TAGS = [
     "train/clip_high_fraction", "train/ratio_mean", "train/ratio_min", "train/ratio_max", "train/kl",
     "train/entropy", "rollout/completion_length", "rollout/truncation_rate", "train/staleness",
     "rollout/rollout_seconds", "train/update_seconds", "rollout/tokens_per_second",
-    "train/update_tokens_per_second", "train/loss", "sync/seconds", "eval/pass@1",
+    "train/update_tokens_per_second", "train/loss", "sync/seconds", "eval/pass@1", "train/grad_norm",
+    "tv/pik_alpha", "tv/pi_alpha", "sync/by_interval", "sync/by_tv",
 ]
 
 

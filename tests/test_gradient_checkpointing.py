@@ -34,7 +34,7 @@ def test_fit_with_checkpointing_matches_fit_without(tmp_path):
     for checkpointing in (False, True):
         recorder = MetricsRecorder()
         trainer = tiny_trainer(tmp_path / str(checkpointing), max_steps=2,
-                               callbacks=[WeightSync(every_n_steps=1), recorder])
+                               callbacks=[WeightSync(every_n_batches=1), recorder])
         trainer.fit(tiny_module(gradient_checkpointing=checkpointing, beta=0.1, lr=1e-2), datamodule=tiny_data())
         steps[checkpointing] = recorder.steps
     assert len(steps[True]) == 2

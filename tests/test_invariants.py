@@ -10,7 +10,7 @@ from lit_grpo.callbacks import RefModelSwap, WeightSync
 def test_v1_i1_ratio_is_one_at_first_iteration_every_step(tmp_path, recorder):
     # the engine scores the completions itself: its synced copy must reproduce the policy exactly
     module, data = tiny_module(), tiny_data(reuse_policy_logprobs=False)
-    trainer = tiny_trainer(tmp_path, max_steps=4, callbacks=[WeightSync(every_n_steps=1), recorder])
+    trainer = tiny_trainer(tmp_path, max_steps=4, callbacks=[WeightSync(every_n_batches=1), recorder])
     trainer.fit(module, datamodule=data)
     assert len(recorder.steps) == 4
     for step in recorder.steps:
@@ -26,7 +26,7 @@ def test_v1_i1_ratio_is_one_at_first_iteration_every_step(tmp_path, recorder):
 def test_v4_staleness_cycles_and_engine_weights_follow_syncs(tmp_path, recorder):
     module, data = tiny_module(), tiny_data()
     snapshots = []
-    sync = WeightSync(every_n_steps=4)
+    sync = WeightSync(every_n_batches=4)
 
     class CompareWeights(type(recorder)):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -49,7 +49,7 @@ def test_v4_staleness_cycles_and_engine_weights_follow_syncs(tmp_path, recorder)
 def test_v1_i4_ratio_moves_after_first_iteration_and_clipping_fires(tmp_path, recorder):
     module = tiny_module(iterations_per_batch=4, lr=5e-3, eps_low=0.01)
     data = tiny_data()
-    trainer = tiny_trainer(tmp_path, max_steps=8, callbacks=[WeightSync(every_n_steps=1), recorder])
+    trainer = tiny_trainer(tmp_path, max_steps=8, callbacks=[WeightSync(every_n_batches=1), recorder])
     trainer.fit(module, datamodule=data)
     assert len(recorder.steps) == 2  # 2 rollout batches x 4 optimizer steps
     for step in recorder.steps:
@@ -102,8 +102,8 @@ def assert_grads_close(got: dict, expected: dict, rel: float = 1e-6) -> None:
 def test_kl_is_zero_right_after_ref_swap(tmp_path, recorder):
     module = tiny_module(beta=0.1, lr=1e-2)
     data = tiny_data(prompts_per_step=2, max_prompts=8)  # 4 batches per epoch
-    swap = RefModelSwap(every_n_steps=3)
-    trainer = tiny_trainer(tmp_path, max_steps=5, callbacks=[WeightSync(every_n_steps=1), swap, recorder])
+    swap = RefModelSwap(every_n_optimizer_steps=3)
+    trainer = tiny_trainer(tmp_path, max_steps=5, callbacks=[WeightSync(every_n_batches=1), swap, recorder])
     trainer.fit(module, datamodule=data)
     kl = [s["train/kl"] for s in recorder.steps]
     assert kl[0] == 0.0  # reference == initial policy
@@ -119,7 +119,7 @@ def test_reusing_policy_logprobs_when_in_sync_changes_nothing(tmp_path):
     for reuse in (False, True):
         recorder = MetricsRecorder()
         trainer = tiny_trainer(tmp_path / str(reuse), max_steps=5,
-                               callbacks=[WeightSync(every_n_steps=2), recorder])
+                               callbacks=[WeightSync(every_n_batches=2), recorder])
         trainer.fit(tiny_module(beta=0.1, lr=1e-2), datamodule=tiny_data(reuse_policy_logprobs=reuse))
         runs[reuse] = recorder.steps
     for a, b in zip(runs[False], runs[True]):
@@ -131,7 +131,7 @@ def test_reusing_policy_logprobs_when_in_sync_changes_nothing(tmp_path):
 
 def test_failing_reward_scores_zero_is_counted_and_the_run_goes_on(tmp_path, recorder):
     data = tiny_data(rewards=["toy_rewards:flaky"], reward_timeout_s=2.0)
-    trainer = tiny_trainer(tmp_path, max_steps=3, callbacks=[WeightSync(every_n_steps=1), recorder])
+    trainer = tiny_trainer(tmp_path, max_steps=3, callbacks=[WeightSync(every_n_batches=1), recorder])
     trainer.fit(tiny_module(), datamodule=data)
     assert len(recorder.steps) == 3
     errors = [s["rollout/reward_errors"] for s in recorder.steps]
@@ -140,7 +140,7 @@ def test_failing_reward_scores_zero_is_counted_and_the_run_goes_on(tmp_path, rec
 
 def test_exact_ref_ratio_with_lagging_engine_and_sample_reuse(tmp_path, recorder):
     module = tiny_module(exact_ref_ratio=True, iterations_per_batch=2, ratio_cap=5.0, lr=5e-3)
-    trainer = tiny_trainer(tmp_path, max_steps=6, callbacks=[WeightSync(every_n_steps=2), recorder])
+    trainer = tiny_trainer(tmp_path, max_steps=6, callbacks=[WeightSync(every_n_batches=2), recorder])
     trainer.fit(module, datamodule=tiny_data())
     assert [s["train/staleness"] for s in recorder.steps] == [0, 2, 0]
     lagged = recorder.steps[1]

@@ -155,6 +155,7 @@ def load_gsm8k(source: str = "bundled", split: str = "train", config: str = "mai
     ``<split>.jsonl`` and the like), or else a Hub dataset id such as ``"openai/gsm8k"``, loaded with
     ``datasets.load_dataset(source, config, split=split)``. ``config`` is used only for Hub ids; ``split`` picks
     the file of the bundled copy or a directory, and is checked but otherwise unused for a single file.
+    ``"synthetic:<task>"`` names a generated task in the same format (see :mod:`lit_grpo.data.synthetic`).
     """
     if split not in SPLITS:
         raise ValueError(f"split {split!r}: expected one of {', '.join(repr(s) for s in SPLITS)}")
@@ -162,6 +163,10 @@ def load_gsm8k(source: str = "bundled", split: str = "train", config: str = "mai
         raise ValueError(f"source {source!r}: expected 'bundled', a local file or directory path, or a Hub dataset id")
     if source == "bundled":
         return validate_rows(_read_bundled(split), f"bundled GSM8K {split}")
+    if source.startswith("synthetic:"):  # generated tasks in GSM8K's format (lit_grpo.data.synthetic)
+        from lit_grpo.data.synthetic import load_synthetic
+
+        return validate_rows(load_synthetic(source, split), f"{source} {split}")
     path = Path(source).expanduser()
     if path.is_dir():
         path = _file_in_directory(path, split)

@@ -56,6 +56,8 @@ def collate_rollouts(
         sampler_logp=sampler_logp.to(device),
         group_size=group_size,
         micro_batch_size=micro_batch_size,
+        advantage_eps=advantage_eps,
+        scale_rewards=scale_rewards,
     )
 
 

