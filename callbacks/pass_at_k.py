@@ -48,6 +48,7 @@ class GSM8KPassAtK(Callback):
         at_start: bool = False,
         at_end: bool = True,
         seed: int = 1234,
+        judge: str = "correctness",
     ) -> None:
         if num_questions is not None and num_questions < 1:
             raise ValueError(f"num_questions must be >= 1 or None, got {num_questions}")
@@ -65,7 +66,8 @@ class GSM8KPassAtK(Callback):
         self.rows = rows if num_questions is None else rows[:num_questions]
         self.at_start = at_start
         self.at_end = at_end
-        self.judge = RewardRunner([("correctness", 1.0)])
+        # a sample counts as correct when the judge scores it above 0.5 (a reward name or `module:function`)
+        self.judge = RewardRunner([(judge, 1.0)])
         self.history: list[dict[str, float]] = []
         self.boundaries_done = 0
 

@@ -6,7 +6,8 @@ Two layouts:
   a dict holding ``state_dict`` (keys ``policy.<hf name>`` and ``reference.<hf name>``), ``optimizer_states``,
   ``hyper_parameters`` and the loops' and callbacks' state;
 - a directory, as written by Lightning's ``ModelParallelStrategy`` (FSDP2): the tensors of ``state_dict`` and of
-  each ``optimizer_<i>`` as torch.distributed.checkpoint (DCP) shards, everything else in ``meta.pt``.
+  each ``optimizer_<i>`` as torch.distributed.checkpoint (DCP) shards, everything else in ``meta.pt``
+  (``FSDPStrategy(state_dict_type="sharded")`` writes the same layout with the model's entry named ``model``).
 
 Only the tensors asked for are read: exporting a policy never materialises the reference or the optimizer
 state. Every problem is a :class:`CheckpointError` (a ``ValueError``) whose one-line message names the path and
@@ -114,13 +115,18 @@ class Checkpoint:
             raise CheckpointError(
                 f"checkpoint {self.path}: its DCP shard index {DCP_METADATA} cannot be read ({_first_line(err)})"
             ) from err
-        # DCP flattens nested dicts with dots: {"state_dict": {"policy.x": t}} is stored as "state_dict.policy.x"
-        self._dcp = {
-            key.removeprefix("state_dict."): item
-            for key, item in metadata.state_dict_metadata.items()
-            if key.startswith("state_dict.") and isinstance(item, TensorStorageMetadata)
-        }
-        if not self._dcp:
+        # DCP flattens nested dicts with dots: {"state_dict": {"policy.x": t}} is stored as "state_dict.policy.x".
+        # ModelParallelStrategy (FSDP2) names the model's entry "state_dict", FSDPStrategy's sharded format "model".
+        for root in ("state_dict", "model"):
+            self._root = root
+            self._dcp = {
+                key.removeprefix(f"{root}."): item
+                for key, item in metadata.state_dict_metadata.items()
+                if key.startswith(f"{root}.") and isinstance(item, TensorStorageMetadata)
+            }
+            if self._dcp:
+                break
+        else:
             raise CheckpointError(f"checkpoint {self.path} holds no 'state_dict' tensors in its DCP shards")
 
     @property
@@ -152,7 +158,9 @@ class Checkpoint:
         missing = [k for k in expected if k not in have and k not in optional]
         unexpected = [k for k in have if k not in expected]
         if missing:
-            raise self._mismatch(f"{len(missing)} tensor(s) of the model are missing from it, e.g. {prefix}{missing[0]}")
+            raise self._mismatch(
+                f"{len(missing)} tensor(s) of the model are missing from it, e.g. {prefix}{missing[0]}"
+            )
         if unexpected:
             raise self._mismatch(
                 f"it holds {len(unexpected)} tensor(s) the model does not have, e.g. {prefix}{unexpected[0]}"
@@ -178,7 +186,9 @@ class Checkpoint:
             with warnings.catch_warnings():
                 # no process group on purpose: one process reads every shard
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp_load({"state_dict": out}, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+                dcp_load({self._root: out}, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
         except Exception as err:  # noqa: BLE001 - a missing or cut-short shard surfaces as many error types
-            raise CheckpointError(f"checkpoint {self.path}: its DCP shards cannot be read ({_first_line(err)})") from err
+            raise CheckpointError(
+                f"checkpoint {self.path}: its DCP shards cannot be read ({_first_line(err)})"
+            ) from err
         return {key[len(prefix) :]: value for key, value in out.items()}

@@ -1,5 +1,7 @@
 """``python -m lit_grpo fit --config configs/X.yaml``: LightningCLI over GRPOModule and RolloutDataModule.
 ``python -m lit_grpo export CKPT OUT_DIR``: the trained policy as a Hugging Face model directory.
+``python -m lit_grpo eval --model M | --ckpt CKPT``: Pass@k of a model or checkpoint, without training.
+``python -m lit_grpo serve --model M --port P``: the rollout server.
 
 A bad value, in a config file, on the command line, in ``--ckpt_path`` or given to ``export``, ends the program
 with one line on stderr, ``error: <what> (<where it came from>)``, and exit status 2, before any model is loaded
@@ -9,6 +11,7 @@ instead. Errors raised once training has started keep their tracebacks.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import os
@@ -34,6 +37,8 @@ from lit_grpo.module import GRPOModule
 DEBUG_ENV = "LIT_GRPO_DEBUG"
 # values of ckpt_path that Lightning resolves itself rather than reading a path
 _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
+# what a constructor raises for a bad value (Lightning's Trainer raises MisconfigurationException)
+_USAGE_ERRORS = (ValueError, TypeError, MisconfigurationException)
 # which config group an object being built belongs to, innermost first when nested
 _GROUPS: tuple[tuple[type, str], ...] = (
     (Callback, "trainer.callbacks"), (LightningDataModule, "data"), (LightningModule, "model"), (Trainer, "trainer"),
@@ -114,15 +119,6 @@ class GRPOCLI(LightningCLI):
         kwargs.setdefault("exit_on_error", False)
         return super().init_parser(**kwargs)
 
-    def add_core_arguments_to_parser(self, parser) -> None:  # noqa: ANN001
-        # As LightningCLI's, but the data group before the model group: jsonargparse builds groups of the same
-        # depth in the order they were added, and the data module is cheap to build and checks its values, so a
-        # bad data value fails before a model is loaded.
-        parser.add_lightning_class_args(self.trainer_class, "trainer")
-        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
-        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
-        parser.add_lightning_class_args(self._model_class, "model", subclass_mode=self.subclass_mode_model)
-
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001
         # The three callbacks of the method are always there, each configured in its own section, so that a
         # Table 1 row is a short file on top of a base config (a second `--config` overrides single keys;
@@ -130,6 +126,9 @@ class GRPOCLI(LightningCLI):
         parser.add_lightning_class_args(WeightSync, "sync")
         parser.add_lightning_class_args(RefModelSwap, "ref_swap")
         parser.add_lightning_class_args(GSM8KPassAtK, "eval")
+        # evaluation is opt-in on the command line: the callback's own defaults are the paper's full test split x
+        # 50 samples, hours on a CPU; a config switches it on with `eval.every_n_optimizer_steps` / `at_end`
+        parser.set_defaults({"eval.every_n_optimizer_steps": None, "eval.at_end": False})
         # One sampling config, in `data`: the loss must use the temperature the rollouts were sampled with,
         # evaluation samples like training (the paper's Pass@1), and Dr.GRPO's constant normaliser is the
         # generation budget.
@@ -161,14 +160,30 @@ class GRPOCLI(LightningCLI):
             super()._parse_ckpt_path()
         except ArgumentError as err:
             path = self._checkpoint.path if self._checkpoint is not None else "ckpt_path"
-            raise UsageError(f"the hyperparameters in checkpoint {path} do not fit: {err}", self._where("ckpt_path")) from err
+            raise UsageError(
+                f"the hyperparameters in checkpoint {path} do not fit: {err}", self._where("ckpt_path")
+            ) from err
 
     def instantiate_classes(self) -> None:
+        # jsonargparse builds the groups of one depth in the order they were added: build the model last, so that
+        # a bad value of the data module or a callback group (cheap to build, and checking their values) fails
+        # before a model is loaded. Help and config dumps keep the order the groups were added in.
+        parser = self._parser(self.subcommand)
+        model_group = getattr(parser, "groups", {}).get("model")
+        if model_group in parser._action_groups:
+            parser._action_groups.remove(model_group)
+            parser._action_groups.append(model_group)
         try:
             super().instantiate_classes()
-        except (ValueError, TypeError, MisconfigurationException) as err:
+        except _USAGE_ERRORS as err:
             _held_back.stop(replay=False)
-            raise UsageError(str(err), self._where(self._raised_by(err))) from err
+            # jsonargparse re-raises a callback's error inside a long "does not validate" message: report the
+            # outermost error that a constructor of ours raised, where there is one
+            for cause in _chain(err):
+                key = self._raised_by(cause) if isinstance(cause, _USAGE_ERRORS) else None
+                if key is not None:
+                    raise UsageError(str(cause), self._where(key)) from err
+            raise UsageError(str(err), self._where(None)) from err
         if self._checkpoint is None:  # else held until the checkpoint is found to fit the model
             _held_back.stop(replay=True)
 
@@ -189,6 +204,7 @@ class GRPOCLI(LightningCLI):
         except CheckpointError as err:
             _held_back.stop(replay=False)
             raise UsageError(str(err), where) from err
+        self._checkpoint = None  # Lightning reads the file itself; no need to keep it mapped during training
         _held_back.stop(replay=True)
 
     def before_fit(self) -> None:
@@ -218,12 +234,15 @@ class GRPOCLI(LightningCLI):
             tb = tb.tb_next
         if owner is None:
             return None
+        # a class with its own config section (model, data, a callback group such as `sync`) is named by it
+        sections = getattr(self._parser(self.subcommand), "groups", {})
+        group = next((k for k, g in sections.items() if getattr(g, "group_class", None) is type(owner)), group)
         message = str(err)
         params = [p for p in inspect.signature(type(owner).__init__).parameters.values()
                   if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         named = [(m.start(), p.name) for p in params
                  if (m := re.search(rf"(?<![\w.]){re.escape(p.name)}(?!\w)", message))]
-        if group == "trainer.callbacks":
+        if group == "trainer.callbacks":  # one of the trainer.callbacks list
             param = min(named)[1] if named else None
             return f"trainer.callbacks: {type(owner).__name__}" + (f".{param}" if param else "")
         if named:
@@ -247,6 +266,15 @@ class GRPOCLI(LightningCLI):
             if _sets(path, key, self.subcommands()):
                 return f"{key}, in {path}"
         return key
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """An exception, then the one it was raised from or while handling, and so on inwards."""
+    chain: list[BaseException] = []
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    return chain
 
 
 def _config_files(argv: list[str]) -> list[str]:
@@ -283,19 +311,22 @@ def _debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+# subcommands that are not Trainer methods, by module (each has `main(argv)`)
+TOOLS = {"serve": "lit_grpo.server", "export": "lit_grpo.export", "eval": "lit_grpo.eval_command"}
+
+
 def main(args: list[str] | None = None) -> GRPOCLI | None:
     """Run the CLI on ``args`` (default: ``sys.argv[1:]``); returns the LightningCLI object of a training
-    subcommand, None for ``export``. A usage error exits with status 2 after one line on stderr."""
+    subcommand, None for ``serve``, ``export`` and ``eval``. A usage error exits with status 2 after one line on stderr."""
     argv = sys.argv[1:] if args is None else list(args)
-    if argv and argv[0] == "export":  # not a Trainer method: dispatched before LightningCLI builds its parser
-        from lit_grpo import export
-
+    if argv and argv[0] in TOOLS:  # not Trainer methods: dispatched before LightningCLI builds its parser
+        tool = importlib.import_module(TOOLS[argv[0]])
         try:
-            export.main(argv[1:])
+            tool.main(argv[1:])
         except (ValueError, OSError) as err:  # CheckpointError is a ValueError
             if _debug():
                 raise
-            _fail(UsageError(str(err), "export " + " ".join(argv[1:])))
+            _fail(UsageError(str(err), " ".join(argv)))
         return None
     # A checkpoint taken after a training step holds the state after all of that step's optimizer steps,
     # together with the data position and counters of the same moment: exactly what an exact resume needs.

@@ -27,8 +27,8 @@ def tied_aliases(model: nn.Module) -> set[str]:
     return {name for name, _ in model.named_parameters(remove_duplicate=False) if name not in first}
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write the policy of a GRPOModule checkpoint to ``out_dir`` as a Hugging Face model directory.
+def load_policy_from_checkpoint(checkpoint: str | Path):  # noqa: ANN201 - (model, tokenizer)
+    """The policy of a GRPOModule checkpoint as a Hugging Face model with its tokenizer.
 
     The model and tokenizer are rebuilt from the checkpoint's ``hyper_parameters`` (``model_name``, ``dtype``)
     with :func:`lit_grpo.models.load_model_and_tokenizer`, then given the checkpoint's policy weights. Raises
@@ -50,6 +50,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     missing, unexpected = model.load_state_dict(ckpt.tensors(POLICY_PREFIX, like=expected), strict=False)
     if set(missing) - aliases or unexpected:  # check_fits rules this out; a silent partial load must not happen
         raise CheckpointError(f"checkpoint {ckpt.path}: loading left {missing or unexpected} unmatched")
+    return model, tokenizer
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write the policy of a GRPOModule checkpoint to ``out_dir`` as a Hugging Face model directory (see
+    :func:`load_policy_from_checkpoint`)."""
+    model, tokenizer = load_policy_from_checkpoint(checkpoint)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

@@ -7,6 +7,10 @@ Aliases:
   so later loads take about a second.
 - ``tiny-random-llama``: a 2-layer Llama with a character-level tokenizer, built from a config with a fixed
   seed (for tests and benchmarks of the machinery; it knows nothing).
+- ``arith-tiny-sft``: a 4-layer Llama (~0.3M parameters, character tokenizer) with a short, noisy supervised
+  warm-start on the synthetic task ``synthetic:add_2digit``, so that GRPO has room to improve it on a CPU in
+  minutes (see ``lit_grpo.warm_start``); trained on first use (single-threaded, seeded) and cached under
+  ``$LIT_GRPO_CACHE``.
 
 Anything else is passed to ``from_pretrained``: a local directory or a Hub id such as
 ``Qwen/Qwen2.5-0.5B-Instruct`` (needs network unless already in the Hub cache).
@@ -22,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ALIASES = ("smollm2-135m-instruct", "tiny-random-llama")
+ALIASES = ("smollm2-135m-instruct", "tiny-random-llama", "arith-tiny-sft")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CHATML_TEMPLATE = (
@@ -111,6 +115,10 @@ def load_model_and_tokenizer(name: str, dtype: str = "float32"):
     if name == "tiny-random-llama":
         tokenizer = tiny_tokenizer()
         return tiny_llama(len(tokenizer)).to(torch_dtype), tokenizer
+    if name == "arith-tiny-sft":  # small Llama warm-started on synthetic:add_2digit (lit_grpo.warm_start)
+        from lit_grpo.warm_start import load_warm_started
+
+        return load_warm_started(dtype=torch_dtype)
     if name == "smollm2-135m-instruct":
         model, tokenizer = _load_smollm2(torch_dtype)
     else:

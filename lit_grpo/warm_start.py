@@ -35,7 +35,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lit_grpo.data.prompts import prompt_ids
-from lit_grpo.data.synthetic import Problem, generate_problems, worked_answer
+from lit_grpo.data.synthetic import Column, Problem, generate_problems, worked_answer
 
 #: bump when the training recipe changes in a way the config does not capture, to invalidate old caches
 RECIPE_VERSION = 1
@@ -49,16 +49,16 @@ class WarmStartConfig:
     (held-out Pass@1 at temperature 1 is about ``1 - slip_rate`` once the procedure is learned).
     """
 
-    task: str = "add_sub"
+    task: str = "add_2digit"
     data_seed: int = 0
     seed: int = 0
-    steps: int = 600
-    batch_size: int = 64
-    lr: float = 3e-3
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 1e-2
     warmup_steps: int = 50
-    slip_rate: float = 0.75
-    hidden_size: int = 128
-    intermediate_size: int = 512
+    slip_rate: float = 0.7
+    hidden_size: int = 64
+    intermediate_size: int = 256
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
 
@@ -86,22 +86,14 @@ def build_model(config: WarmStartConfig, vocab_size: int) -> LlamaForCausalLM:
         return LlamaForCausalLM(llama)
 
 
-def slipped(problem: Problem, rng: random.Random) -> list[tuple[int, str, int, int]]:
-    """The worked steps with one digit of one step's result changed; later steps continue from the wrong value."""
-    steps = problem.steps
-    bad = rng.randrange(len(steps))
-    a, op, b, r = steps[bad]
-    digits = list(str(r))
-    position = rng.randrange(len(digits))
-    choices = [d for d in "0123456789" if d != digits[position] and not (position == 0 and d == "0" and len(digits) > 1)]
-    digits[position] = rng.choice(choices)
-    value = int("".join(digits))
-    out = steps[:bad] + [(a, op, b, value)]
-    for _, op2, b2, _ in steps[bad + 1:]:
-        nxt = value + b2 if op2 == "+" else value - b2
-        out.append((value, op2, b2, nxt))
-        value = nxt
-    return out
+def slipped(problem: Problem, rng: random.Random) -> list[Column]:
+    """The worked columns with one slip: one column's written sum off by 1 to 3 (kept within 0..19); the later
+    columns carry on from the wrong sum, so the final answer is wrong and consistent with the steps."""
+    columns = problem.columns()
+    i = rng.randrange(len(columns))
+    right = columns[i].total
+    wrong = [t for t in range(right - 3, right + 4) if t != right and 0 <= t <= 19]
+    return problem.columns({i: rng.choice(wrong)})
 
 
 def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -145,7 +137,7 @@ def train_warm_start(config: WarmStartConfig = ARITH_TINY_SFT, log: Callable[[st
         examples = []
         for _ in range(config.batch_size):
             i = rng.randrange(len(problems))
-            steps = slipped(problems[i], rng) if rng.random() < config.slip_rate else problems[i].steps
+            steps = slipped(problems[i], rng) if rng.random() < config.slip_rate else problems[i].columns()
             answer = list(tokenizer(worked_answer(steps), add_special_tokens=False)["input_ids"]) + [eos]
             examples.append((prompts[i], answer))
         ids, mask, labels = _batch(examples, tokenizer.pad_token_id)

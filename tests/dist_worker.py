@@ -61,9 +61,33 @@ class EngineVsPolicy(MetricsRecorder):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         engine = trainer.datamodule.rollout_engine
+        if hasattr(engine, "weight_checksums"):  # a rollout server: compare its SHA-256 of every parameter
+            from lit_grpo.weight_transfer import checksum
+
+            full = {name: checksum(t) for name, t in full_named_parameters(pl_module.policy)}
+            same = all(served == full for served in engine.weight_checksums().values())
+            self.steps.append({"global_step": trainer.global_step, "synced_step": engine.synced_step, "same": same})
+            return
         mine = dict(engine.model.named_parameters())
         same = all(torch.equal(mine[name], full) for name, full in full_named_parameters(pl_module.policy))
         self.steps.append({"global_step": trainer.global_step, "synced_step": engine.synced_step, "same": same})
+
+
+def wait_until_serving(url: str, timeout_s: float = 240.0) -> None:
+    """The server may still be loading its model when the ranks start: poll its /health."""
+    import time
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with opener.open(url + "/health", timeout=5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def run_job(job: dict, workdir: str) -> dict:
@@ -85,7 +109,11 @@ def run_job(job: dict, workdir: str) -> dict:
         callbacks.append(evaluator)
     callbacks.append(recorder)
     data_cls = ScriptedData if job.get("scripted") else RealData
-    data = tiny_data(cls=data_cls, **job.get("data", {}))
+    data_kwargs = dict(job.get("data", {}))
+    if job.get("server"):  # rollouts from a rollout server (tests/test_server_multiprocess.py)
+        wait_until_serving(job["server"]["url"])
+        data_kwargs.update(engine="server", engine_options=dict(job["server"]))
+    data = tiny_data(cls=data_cls, **data_kwargs)
     module = tiny_module(**job.get("module", {}))
     trainer = tiny_trainer(workdir, max_steps=job["max_steps"], callbacks=callbacks, devices=world,
                            strategy=make_strategy(job.get("strategy", "single"), world))

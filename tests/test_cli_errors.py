@@ -12,6 +12,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning
@@ -36,6 +37,13 @@ def write_inputs(root: Path) -> None:
     torch.save({"state_dict": {"policy.lm_head.weight": torch.zeros(3, 3)},
                 "hyper_parameters": {"model_name": "tiny-random-llama"},
                 "pytorch-lightning_version": lightning.__version__}, root / "other_model.ckpt")
+    # a sharded (DCP) checkpoint directory, which a one-process run cannot resume from
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one writer, on purpose
+        dcp.save({"state_dict": {"policy.lm_head.weight": torch.zeros(3)}}, checkpoint_id=root / "sharded")
+    torch.save({"hyper_parameters": {"model_name": "tiny-random-llama"}}, root / "sharded" / "meta.pt")
 
 
 # subprocesses. name: (model, extra arguments, debug, strings the error line must hold)
@@ -48,7 +56,8 @@ CASES = {
     "debug_traceback": (SMOLLM2, ["--model.lr", "-1"], True, ["Traceback", "ValueError: lr must be > 0"]),
 }
 
-# in this process. name: (extra arguments, whether the model may load, strings the error line must hold)
+# in this process. name: (extra arguments, whether the model may load, strings the error line must hold);
+# every case but "missing_model_name" also gets --model.model_name tiny-random-llama
 IN_PROCESS = {
     "type_error": (["--model.lr", "abc"], False, ["abc", "float", "(model.lr, on the command line)"]),
     "config_file": (["--config", "{root}/bad.yaml"], False,
@@ -58,10 +67,12 @@ IN_PROCESS = {
                             ["unknown model", "./no/such/dir", "(model.model_name, on the command line)"]),
     "reward_spec": (["--data.rewards", "[toy_rewards:no_such_function]"], False,
                     ["no_such_function", "(data.rewards, on the command line)"]),
-    "missing_model_name": (["--model.model_name", None], False, ["required", "model.model_name"]),
+    "missing_model_name": ([], False, ["required", "model.model_name"]),
     "not_a_checkpoint": (["--ckpt_path", "{root}/bad.yaml"], False,
                          ["{root}/bad.yaml", "not a torch.save archive", "(ckpt_path, on the command line)"]),
     "missing_checkpoint": (["--ckpt_path", "{root}/nothing.ckpt"], False, ["{root}/nothing.ckpt", "does not exist"]),
+    "sharded_ckpt_one_process": (["--ckpt_path", "{root}/sharded"], True,
+                                 ["{root}/sharded", "sharded directory", "ModelParallelStrategy", "export"]),
     "other_model_ckpt": (["--ckpt_path", "{root}/other_model.ckpt"], True,
                          ["{root}/other_model.ckpt", "does not fit", "policy.lm_head.weight", "[3, 3]",
                           "(ckpt_path, on the command line)"]),
@@ -132,10 +143,9 @@ def test_bad_value_in_process(name, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["lit_grpo"])  # LightningCLI reads sys.argv too; keep pytest's out of it
     monkeypatch.delenv("LIT_GRPO_DEBUG", raising=False)
     monkeypatch.chdir(tmp_path)
-    args = ["fit", "--model.model_name", "tiny-random-llama", *TINY_RUN, f"--trainer.default_root_dir={tmp_path}",
-            *(a.format(root=tmp_path) for a in extra if a is not None)]
-    if extra == ["--model.model_name", None]:  # the one required argument left out
-        args = args[:1] + args[3:-2]
+    model = [] if name == "missing_model_name" else ["--model.model_name", "tiny-random-llama"]
+    args = ["fit", *model, *TINY_RUN, f"--trainer.default_root_dir={tmp_path}",
+            *(a.format(root=tmp_path) for a in extra)]
     with pytest.raises(SystemExit) as exit_:
         main(args)
     assert exit_.value.code == 2

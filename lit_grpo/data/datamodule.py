@@ -26,7 +26,7 @@ from lit_grpo.data.rollout import collate_rollouts, rollout_stats
 from lit_grpo.distributed import rank_slice
 from lit_grpo.engines.base import RolloutEngine, SamplingConfig
 
-ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "vllm", "server")
 
 
 @dataclass
@@ -88,8 +88,9 @@ class RolloutDataModule(L.LightningDataModule):
         rewards: reward functions by short name (``correctness``, ``format``) or import path
             ``package.module:function``; ``reward_weights`` weigh them (default 1 each).
         scale_rewards: divide by the group std (eq. 2); ``False`` centres only (Dr.GRPO).
-        engine: ``"transformers"`` (in-process copy of the policy) or ``"vllm"`` (colocated vLLM);
-            ``engine_options`` go to its constructor.
+        engine: ``"transformers"`` (in-process copy of the policy), ``"vllm"`` (colocated vLLM) or ``"server"``
+            (rollout servers over HTTP, ``ServerEngine``: ``engine_options: {url: ...}``); ``engine_options`` go to
+            its constructor.
         max_prompts: use only the first N rows after a seeded shuffle (quick runs).
         reuse_policy_logprobs: when the engine holds exactly the policy's current weights (synced at this
             optimizer step), alpha = pi_k, so alpha's log-probs are the policy's own first-iteration log-probs
@@ -193,6 +194,10 @@ class RolloutDataModule(L.LightningDataModule):
             from lit_grpo.engines.transformers_engine import TransformersEngine
 
             return TransformersEngine(module.policy, eos, self.tokenizer.pad_token_id, **self.engine_options)
+        if self.engine_kind == "server":  # rollout servers over HTTP; the trainer's EOS ids stop them too
+            from lit_grpo.engines.server_engine import ServerEngine
+
+            return ServerEngine(**{"stop_token_ids": eos, "policy": lambda: module.policy, **self.engine_options})
         from lit_grpo.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(module.hparams.model_name, tokenizer=self.tokenizer, **self.engine_options)

@@ -4,86 +4,99 @@ GSM8K is too hard for the models that train on a CPU in minutes (SmolLM2-135M so
 reward has almost no spread and nothing shows that GRPO learns. These tasks keep what matters for GRPO and
 change only the difficulty:
 
-- the reward is verifiable and the same judge: rows are ``{"question", "answer", "gold"}`` with a worked
+- the reward is verifiable and judged the same way: rows are ``{"question", "answer", "gold"}`` with a worked
   ``answer`` ending in ``#### <number>``, scored by ``lit_grpo.data.rewards.correctness_reward``;
-- there is a held-out test split, disjoint from the train split (no problem, i.e. no tuple of operands,
-  appears in both);
+- the solutions are multi-step: column addition, one line per column with the carry written out, then the
+  final answer, e.g. ``What is 47 + 38?`` -> ``7 + 8 = 15\\n4 + 3 + 1 = 8\\n#### 85``; a slip in any step makes
+  the final number wrong, as in GSM8K's chains of calculations;
+- there is a held-out test split, disjoint from the train split (no pair of operands appears in both);
 - everything is a pure function of ``(task, split, seed)``: no file, no network, same rows on every machine.
 
-Tasks (load by name with ``load_gsm8k("synthetic:<task>")``, or ``"synthetic:<task>:seed=<n>"`` for
-another draw):
-
-- ``addition``: ``What is 47 + 38?`` -> ``47 + 38 = 85\\n#### 85`` (two-digit operands, 8,100 problems).
-- ``add_sub``: ``What is 47 + 38 - 21?`` -> ``47 + 38 = 85\\n85 - 21 = 64\\n#### 64`` (two-digit operands,
-  non-negative result): two steps with an intermediate result, like GSM8K's multi-step solutions.
+Names (``load_gsm8k(name, split)``, ``data.dataset``, ``GSM8KPassAtK(dataset=...)``):
+``synthetic:<task>`` or ``synthetic:<task>:seed=<n>`` (another draw of problems and split; default seed 0),
+with ``<task>`` one of :data:`TASKS`: ``add_2digit`` (8,100 problems, 10..99 + 10..99) and ``add_3digit``
+(810,000 problems, 100..999 + 100..999).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
 PREFIX = "synthetic:"
 SPLITS: tuple[str, ...] = ("train", "test")
-LOW, HIGH = 10, 99  # two-digit operands
 TEST_SIZE = 200
 TRAIN_SIZE = 5000
+
+#: task name -> number of digits of both operands
+TASKS: dict[str, int] = {"add_2digit": 2, "add_3digit": 3}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One step of column addition: ``a + b (+ carry_in) = total``; ``carry_in`` is None in the units column."""
+
+    a: int
+    b: int
+    carry_in: int | None
+    total: int
+
+    @property
+    def line(self) -> str:
+        carry = "" if self.carry_in is None else f" + {self.carry_in}"
+        return f"{self.a} + {self.b}{carry} = {self.total}"
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One arithmetic problem: ``operands[0] + operands[1] (- operands[2])``."""
+    """``operands[0] + operands[1]``, solved column by column from the units up."""
 
-    operands: tuple[int, ...]
-
-    @property
-    def steps(self) -> list[tuple[int, str, int, int]]:
-        """The worked solution as ``(left, op, right, result)`` steps, left to right."""
-        total = self.operands[0]
-        steps = []
-        for op, right in zip(("+", "-"), self.operands[1:]):
-            result = total + right if op == "+" else total - right
-            steps.append((total, op, right, result))
-            total = result
-        return steps
+    operands: tuple[int, int]
 
     @property
     def result(self) -> int:
-        return self.steps[-1][3]
+        return sum(self.operands)
 
     @property
     def question(self) -> str:
-        expression = " ".join(f"{op} {b}" for op, b in zip(("+", "-"), self.operands[1:]))
-        return f"What is {self.operands[0]} {expression}?"
+        return f"What is {self.operands[0]} + {self.operands[1]}?"
+
+    def digits(self) -> list[tuple[int, int]]:
+        """Digit pairs, units first (the shorter operand padded with zeros)."""
+        a, b = (str(x) for x in self.operands)
+        width = max(len(a), len(b))
+        return [(int(x), int(y)) for x, y in zip(reversed(a.zfill(width)), reversed(b.zfill(width)))]
+
+    def columns(self, totals: dict[int, int] | None = None) -> list[Column]:
+        """The worked steps. ``totals`` overrides the sum written in some columns (a slip: see
+        ``lit_grpo.warm_start``); the later columns then carry on from the written sums, as a solver would."""
+        out: list[Column] = []
+        carry: int | None = None
+        for i, (a, b) in enumerate(self.digits()):
+            total = a + b + (carry or 0)
+            if totals and i in totals:
+                total = totals[i]
+            out.append(Column(a, b, carry, total))
+            carry = total // 10
+        return out
 
 
-def worked_answer(steps: list[tuple[int, str, int, int]]) -> str:
-    """GSM8K-style solution text: one line per step, then ``#### <result of the last step>``."""
-    lines = [f"{a} {op} {b} = {r}" for a, op, b, r in steps]
-    return "\n".join(lines) + f"\n#### {steps[-1][3]}"
+def final_answer(columns: list[Column]) -> int:
+    """The number the written columns spell: the last column's sum, then the units digits of the others."""
+    return int(str(columns[-1].total) + "".join(str(c.total % 10) for c in reversed(columns[:-1])))
+
+
+def worked_answer(columns: list[Column]) -> str:
+    """GSM8K-style solution text: one line per step, then ``#### <final answer>``."""
+    return "\n".join(c.line for c in columns) + f"\n#### {final_answer(columns)}"
 
 
 def as_row(problem: Problem) -> dict[str, str]:
-    return {"question": problem.question, "answer": worked_answer(problem.steps), "gold": str(problem.result)}
-
-
-def _addition(rng: random.Random) -> Problem:
-    return Problem((rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)))
-
-
-def _add_sub(rng: random.Random) -> Problem:
-    a, b = rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)
-    c = rng.randint(LOW, min(HIGH, a + b))  # the result is >= 0, as GSM8K's answers are
-    return Problem((a, b, c))
-
-
-#: task name -> sampler of one problem (uniform over the task's problems, given an RNG)
-TASKS: dict[str, Callable[[random.Random], Problem]] = {"addition": _addition, "add_sub": _add_sub}
+    return {"question": problem.question, "answer": worked_answer(problem.columns()), "gold": str(problem.result)}
 
 
 def task_names() -> list[str]:
-    """Every valid dataset name of this module, e.g. ``synthetic:addition``."""
+    """Every valid dataset name of this module (default seed), e.g. ``synthetic:add_2digit``."""
     return [PREFIX + task for task in TASKS]
 
 
@@ -92,9 +105,9 @@ def is_synthetic(source: object) -> bool:
 
 
 def parse_name(source: str) -> tuple[str, int]:
-    """``"synthetic:add_sub"`` -> ``("add_sub", 0)``; ``"synthetic:add_sub:seed=3"`` -> ``("add_sub", 3)``."""
-    expected = (f"expected one of {', '.join(task_names())}, optionally followed by ':seed=<integer>' "
-                f"(e.g. '{task_names()[-1]}:seed=1')")
+    """``"synthetic:add_2digit"`` -> ``("add_2digit", 0)``; ``"synthetic:add_2digit:seed=3"`` -> ``(..., 3)``."""
+    expected = (f"expected one of {', '.join(repr(n) for n in task_names())}, optionally followed by "
+                f"':seed=<integer>' (e.g. '{task_names()[0]}:seed=1')")
     if not is_synthetic(source):
         raise ValueError(f"dataset {source!r} is not a synthetic task; {expected}")
     task, _, rest = source[len(PREFIX):].partition(":")
@@ -117,24 +130,22 @@ def generate_problems(task: str, seed: int = 0, test_size: int = TEST_SIZE,
         raise ValueError(f"unknown synthetic task {task!r}; expected one of {sorted(TASKS)}")
     if test_size < 1 or train_size < 1:
         raise ValueError(f"test_size and train_size must be >= 1, got {test_size} and {train_size}")
-    sample = TASKS[task]
+    low, high = 10 ** (TASKS[task] - 1), 10 ** TASKS[task] - 1
+    if test_size + train_size > (high - low + 1) ** 2:
+        raise ValueError(f"task {task!r} has {(high - low + 1) ** 2} problems, fewer than {test_size} + {train_size}")
     rng = random.Random(f"lit_grpo.synthetic:{task}:{seed}")  # str seeds hash with SHA-512: stable everywhere
-    seen: set[tuple[int, ...]] = set()
+    seen: set[tuple[int, int]] = set()
     problems: list[Problem] = []
-    attempts, limit = 0, 50 * (test_size + train_size)
     while len(problems) < test_size + train_size:
-        attempts += 1
-        if attempts > limit:
-            raise ValueError(f"task {task!r} has too few distinct problems for {test_size} + {train_size} rows")
-        problem = sample(rng)
-        if problem.operands not in seen:
-            seen.add(problem.operands)
-            problems.append(problem)
+        operands = (rng.randint(low, high), rng.randint(low, high))
+        if operands not in seen:
+            seen.add(operands)
+            problems.append(Problem(operands))
     return {"test": problems[:test_size], "train": problems[test_size:]}
 
 
 def generate_rows(task: str, split: str, seed: int = 0) -> list[dict[str, str]]:
-    """Rows ``{"question", "answer", "gold"}`` of one split of a task, a pure function of its arguments."""
+    """Rows ``{"question", "answer", "gold"}`` of one split of a task: a pure function of its arguments."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r}: expected one of {', '.join(repr(s) for s in SPLITS)}")
     return [as_row(p) for p in generate_problems(task, seed)[split]]

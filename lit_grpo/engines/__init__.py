@@ -3,10 +3,14 @@
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
 from lit_grpo.engines.transformers_engine import TransformersEngine
 
-__all__ = ["Completion", "RolloutEngine", "SamplingConfig", "TransformersEngine", "VLLMEngine"]
+__all__ = ["Completion", "RolloutEngine", "SamplingConfig", "ServerEngine", "TransformersEngine", "VLLMEngine"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
+    if name == "ServerEngine":  # the HTTP client of rollout servers (`python -m lit_grpo serve`, `vllm serve`)
+        from lit_grpo.engines.server_engine import ServerEngine
+
+        return ServerEngine
     # vLLM is imported only when asked for: it is an optional extra and heavy.
     if name == "VLLMEngine":
         from lit_grpo.engines.vllm_engine import VLLMEngine

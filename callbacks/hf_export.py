@@ -1,0 +1,56 @@
+"""`HFExport`: the trained policy as a Hugging Face model directory at the end of training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lit_grpo.callbacks.protocol import full_named_tensors, policy_of
+from lit_grpo.distributed import strip_wrapper_prefixes
+
+
+class HFExport(Callback):
+    """At the end of training, write the policy (``pl_module.policy``, a transformers model) and the tokenizer
+    (``pl_module.tokenizer``, when there is one) to ``dirpath``: safetensors weights, ``config.json``, tokenizer
+    files; ``AutoModelForCausalLM.from_pretrained(dirpath)`` loads it. The same directory as
+    ``python -m lit_grpo export`` writes from a checkpoint.
+
+    Sharded (FSDP) weights are gathered one tensor at a time on every rank, as the gather needs; rank zero
+    writes, and the other ranks wait until the directory is complete.
+    """
+
+    def __init__(self, dirpath: str | Path) -> None:
+        if not str(dirpath).strip():
+            raise ValueError(f"dirpath must name a directory to write the model to, got {dirpath!r}")
+        self.dirpath = Path(dirpath).expanduser()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        policy = policy_of(pl_module)
+        tensors = full_named_tensors(policy)  # a collective under FSDP: every rank walks it to the end
+        if not trainer.is_global_zero:
+            for _ in tensors:
+                pass  # take part in each gather, keep nothing
+        else:
+            state = {name: tensor.detach().cpu() for name, tensor in tensors}
+            state.update(persistent_buffers(policy))
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            policy.save_pretrained(self.dirpath, state_dict=state)
+            tokenizer = getattr(pl_module, "tokenizer", None)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(self.dirpath)
+        trainer.strategy.barrier("HFExport")
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers saved with the weights (FSDP leaves buffers unsharded). Found module by module rather than
+    through ``state_dict()``, which under FSDP1 is a collective that rank zero alone must not start."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[strip_wrapper_prefixes(f"{prefix}.{name}" if prefix else name)] = buf.detach().cpu()
+    return out

@@ -1,0 +1,317 @@
+"""``ServerEngine(kind="vllm")`` against stand-ins: a fake ``vllm.distributed.weight_transfer`` shaped like vLLM
+0.33's trainer side (``NCCLTrainerInitInfo``, ``WeightTransferTrainerFactory.trainer_init``,
+``HTTPVLLMWeightSyncClient``, ``WeightSource``/``ParamMeta``; its ``send_weights`` follows
+``NCCLTrainerWeightTransferEngine.send_weights``: start, update alongside the broadcast, finish without a version)
+and a fake ``vllm serve`` HTTP server that records every route, query and body. No GPU, no vLLM."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import types
+import urllib.request
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from lit_grpo.engines.base import SamplingConfig
+from lit_grpo.engines.server_engine import ServerEngine, ServerError
+from lit_grpo.engines.vllm_engine import prompt_seed
+from lit_grpo.models import tiny_llama
+
+
+# ---- fake vllm.distributed.weight_transfer -----------------------------------------------------------
+@dataclass(frozen=True)
+class ParamMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    owners: tuple[int, ...] | None = field(default=None, kw_only=True)
+
+
+class WeightSource(ABC):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        metadata = cls.__dict__.get("metadata")
+        if metadata is not None and not isinstance(metadata, cached_property):
+            raise TypeError(f"{cls.__name__}.metadata must be a functools.cached_property")
+
+    @property
+    @abstractmethod
+    def metadata(self) -> list[ParamMeta]: ...
+
+    def iter_full(self):  # noqa: ANN201
+        raise NotImplementedError
+
+    def implements_iter_full(self) -> bool:
+        return type(self).iter_full is not WeightSource.iter_full
+
+
+class HTTPVLLMWeightSyncClient:
+    """As vLLM's ``clients.py`` (urllib instead of requests)."""
+
+    def __init__(self, base_url: str, timeout: float = 300) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+
+    def _post(self, path: str, json_body: dict | None = None) -> None:
+        data = json.dumps(json_body).encode() if json_body is not None else None
+        request = urllib.request.Request(f"{self.base_url}/{path}", data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(request, timeout=self.timeout) as response:
+            response.read()
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._post("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
+
+
+@dataclass
+class NCCLTrainerInitInfo:
+    backend: ClassVar[str] = "nccl"
+    master_address: str
+    master_port: int
+    world_size: int
+    packed: bool = True
+    rank: int = field(default=0, kw_only=True)
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == 0
+
+
+class FakeTrainerEngine:
+    """``NCCLTrainerWeightTransferEngine`` without NCCL: the "broadcast" records the tensors it would send."""
+
+    instances: ClassVar[list] = []
+
+    def __init__(self, client: Any, source: Any, info: NCCLTrainerInitInfo) -> None:
+        self.client, self.source, self.info = client, source, info
+        self.is_sender = info.is_sender
+        self.rounds: list[list[tuple[str, torch.Tensor]]] = []
+        FakeTrainerEngine.instances.append(self)
+
+    @classmethod
+    def trainer_init(cls, init_info: NCCLTrainerInitInfo, *, client: Any, source: Any) -> FakeTrainerEngine:
+        assert source is not None and source.implements_iter_full()
+        for m in source.metadata:
+            assert m.owners is None or m.owners[0] == 0
+        engine = cls(client, source, init_info)
+        if engine.is_sender:
+            payload = {"master_address": init_info.master_address, "master_port": init_info.master_port,
+                       "rank_offset": 1, "world_size": init_info.world_size, "packed": init_info.packed}
+            with ThreadPoolExecutor(max_workers=1) as executor:  # run_trainer_rendezvous
+                future = executor.submit(client.init_weight_transfer_engine, payload)
+                future.result()
+        return engine
+
+    def send_weights(self) -> None:
+        meta = self.source.metadata
+        if not self.is_sender:
+            for _ in self.source.iter_full():
+                pass
+            return
+        update_info = {"names": [m.name for m in meta], "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
+                       "shapes": [list(m.shape) for m in meta]}
+        self.client.start_weight_update()
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            future = executor.submit(self.client.update_weights, update_info)
+            sent = []
+            for i, (name, tensor) in enumerate(self.source.iter_full()):  # _checked_iter
+                assert (name, tensor.dtype, tuple(tensor.shape)) == (meta[i].name, meta[i].dtype, meta[i].shape)
+                sent.append((name, tensor.clone()))
+            assert len(sent) == len(meta)
+            future.result()
+        self.client.finish_weight_update()
+        self.rounds.append(sent)
+
+
+class WeightTransferTrainerFactory:
+    @classmethod
+    def trainer_init(cls, init_info: Any, *, client: Any, source: Any = None) -> FakeTrainerEngine:
+        assert init_info.backend == "nccl"
+        return FakeTrainerEngine.trainer_init(init_info, client=client, source=source)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    modules = {name: types.ModuleType(name) for name in (
+        "vllm", "vllm.distributed", "vllm.distributed.weight_transfer", "vllm.distributed.weight_transfer.nccl_engine")}
+    wt = modules["vllm.distributed.weight_transfer"]
+    wt.ParamMeta, wt.WeightSource = ParamMeta, WeightSource
+    wt.HTTPVLLMWeightSyncClient = HTTPVLLMWeightSyncClient
+    wt.WeightTransferTrainerFactory = WeightTransferTrainerFactory
+    modules["vllm.distributed.weight_transfer.nccl_engine"].NCCLTrainerInitInfo = NCCLTrainerInitInfo
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delenv("LIT_GRPO_SERVER_TOKEN", raising=False)
+    FakeTrainerEngine.instances.clear()
+    yield
+
+
+# ---- fake `vllm serve` --------------------------------------------------------------------------------
+class FakeVLLMServer:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self.version: str | None = None
+        self.fail: set[str] = set()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _serve(self, method: str) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                owner.calls.append((method, self.path, body))
+                status, payload = owner.answer(method, self.path.split("?")[0], body)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._serve("GET")
+
+            def do_POST(self) -> None:  # noqa: N802
+                self._serve("POST")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def answer(self, method: str, path: str, body: Any) -> tuple[int, dict]:
+        if path in self.fail:
+            return 500, {"detail": f"{path} broke"}
+        if path == "/get_world_size":
+            return 200, {"world_size": 1}
+        if path == "/weight_info":
+            return 200, {"weight_version": self.version}
+        if path == "/finish_weight_update":
+            if body is not None:
+                self.version = body["weight_version"]
+            return 200, {"message": "Weight update finished"}
+        if path == "/v1/completions":
+            (prompt,) = body["prompt"]
+            choices = []
+            for j in range(body["n"]):
+                tokens = [body["seed"] % 97 + j, len(prompt), 2]
+                choices.append({"index": j, "text": "", "token_ids": tokens, "finish_reason": "stop",
+                                "logprobs": {"token_logprobs": [-0.5 - j, -1.0, -0.25], "tokens": ["a", "b", "c"]},
+                                "weight_versions": [{"version": self.version, "start": 0, "end": 3}]})
+            return 200, {"choices": choices}
+        return 200, {"message": "ok"}
+
+    def routes(self) -> list[tuple[str, str]]:
+        return [(method, path) for method, path, _ in self.calls]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fake_server():
+    server = FakeVLLMServer()
+    yield server
+    server.close()
+
+
+PUSH = [("POST", "/pause?mode=wait"), ("POST", "/start_weight_update"), ("POST", "/update_weights"),
+        ("POST", "/finish_weight_update"), ("GET", "/weight_info"), ("POST", "/resume")]
+
+
+def test_vllm_push_follows_the_weight_sync_protocol(fake_vllm, fake_server):
+    model = tiny_llama(vocab_size=100)
+    engine = ServerEngine(url=fake_server.url, kind="vllm", policy=lambda: model, dtype="bfloat16", timeout_s=10)
+    assert engine.rescore is False  # vLLM's sampler log-probs are alpha's
+    engine.load_weights(model.named_parameters(), step=3)
+    assert fake_server.routes() == [("GET", "/get_world_size"), ("GET", "/get_world_size"),
+                                    ("POST", "/init_weight_transfer_engine"), *PUSH]
+    bodies = {path: body for _, path, body in fake_server.calls}
+    init = bodies["/init_weight_transfer_engine"]["init_info"]
+    assert init["rank_offset"] == 1 and init["world_size"] == 2 and init["master_address"] == "127.0.0.1"
+    assert isinstance(init["master_port"], int) and init["packed"] is True
+    assert bodies["/start_weight_update"] is None
+    update = bodies["/update_weights"]["update_info"]
+    params = dict(model.named_parameters())
+    assert update["names"] == list(params) and set(update["dtype_names"]) == {"bfloat16"}
+    assert update["shapes"] == [list(p.shape) for p in params.values()]
+    assert bodies["/finish_weight_update"] == {"weight_version": "3"}
+    assert engine.synced_step == 3
+    (trainer,) = FakeTrainerEngine.instances
+    assert trainer.is_sender
+    sent = dict(trainer.rounds[0])
+    assert all(torch.equal(sent[name], p.detach().to(torch.bfloat16)) for name, p in params.items())
+    # the next push reuses the group: no second init
+    fake_server.calls.clear()
+    with torch.no_grad():
+        next(iter(model.parameters())).add_(1.0)
+    engine.load_weights(model.named_parameters(), step=4)
+    assert fake_server.routes() == PUSH and engine.synced_step == 4
+    assert fake_server.calls[3][2] == {"weight_version": "4"}
+    first = next(iter(params))
+    assert torch.equal(dict(trainer.rounds[1])[first], params[first].detach().to(torch.bfloat16))
+
+
+def test_vllm_rollouts_one_request_per_prompt_and_version_checked(fake_vllm, fake_server):
+    model = tiny_llama(vocab_size=100)
+    engine = ServerEngine(url=fake_server.url, kind="vllm", policy=model, stop_token_ids=[2], timeout_s=10)
+    engine.load_weights(model.named_parameters(), step=5)
+    fake_server.calls.clear()
+    prompts = [[5, 6, 7], [8, 9]]
+    groups = engine.generate(prompts, 3, SamplingConfig(max_new_tokens=4, temperature=0.7), seed=11)
+    requests = sorted((b for _, p, b in fake_server.calls if p == "/v1/completions"), key=lambda b: b["seed"])
+    assert [b["prompt"] for b in requests] == [[p] for p in prompts]  # vLLM seeds a request's prompts alike
+    assert [b["seed"] for b in requests] == [prompt_seed(11, p, 3) for p in range(2)]
+    for body in requests:
+        assert body["n"] == 3 and body["logprobs"] == 0 and body["return_token_ids"] is True
+        assert body["return_weight_versions"] is True and body["stop_token_ids"] == [2]
+        assert body["temperature"] == 0.7 and body["max_tokens"] == 4 and body["top_p"] == 1.0
+    assert [[c.token_ids for c in g] for g in groups] == [
+        [[prompt_seed(11, p, 3) % 97 + j, len(prompts[p]), 2] for j in range(3)] for p in range(2)]
+    assert groups[0][1].logprobs == [-1.5, -1.0, -0.25] and not groups[0][0].truncated
+    fake_server.version = "99"  # someone else pushed, or the server restarted and was pushed to
+    with pytest.raises(ServerError, match=r"sampled with weight version \['99'\], but this trainer pushed version '5'"):
+        engine.generate(prompts, 3, SamplingConfig(max_new_tokens=4), seed=11)
+
+
+def test_vllm_failed_push_names_the_server_resumes_it_and_starts_over(fake_vllm, fake_server):
+    model = tiny_llama(vocab_size=100)
+    engine = ServerEngine(url=fake_server.url, kind="vllm", policy=model, timeout_s=10)
+    fake_server.fail = {"/update_weights"}
+    consumed = []
+
+    def tensors():
+        for name, p in model.named_parameters():
+            consumed.append(name)
+            yield name, p
+
+    with pytest.raises(ServerError, match=f"weight push of step 6 to {fake_server.url} failed"):
+        engine.load_weights(tensors(), step=6)
+    assert consumed == [name for name, _ in model.named_parameters()]  # drained: other ranks are in the gathers
+    assert fake_server.routes()[-1] == ("POST", "/resume")
+    assert ("POST", "/finish_weight_update") not in fake_server.routes()
+    fake_server.fail = set()
+    fake_server.calls.clear()
+    engine.load_weights(model.named_parameters(), step=7)
+    assert ("POST", "/init_weight_transfer_engine") in fake_server.routes() and engine.synced_step == 7

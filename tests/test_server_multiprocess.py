@@ -1,0 +1,98 @@
+"""Two trainer processes (DDP and FSDP2 on gloo, through ``distributed_launch``) with rollouts from a rollout
+server started by ``python -m lit_grpo serve``: ratio exactly 1 at v = 1, the staleness cycle at v = 4 from the
+versions the server reports, the server's weights equal to the gathered policy after every sync, and an exact
+resume across a server restart. Two launches in all."""
+
+from __future__ import annotations
+
+import pytest
+from distributed_launch import free_port, launch
+from server_process import ServerProcess
+
+STRATEGIES = ("ddp", "fsdp2")
+RESUME = dict(strategy="fsdp2", v=2, module=dict(beta=0.1, lr=1e-2), data=dict(prompts_per_step=1))
+
+
+def server_options(server: ServerProcess) -> dict:
+    return dict(url=server.url, token=server.token, timeout_s=60, bucket_mb=0.05)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    first = ServerProcess(root / "server1", via_cli=True, port=free_port())
+    # the server the second half talks to: a fresh process that never saw a push, as after a restart (started
+    # now so that its model loads while the first launch runs)
+    second = ServerProcess(root / "server2", port=free_port())
+    try:
+        jobs, index = [], {}
+        for strategy in STRATEGIES:
+            index[(strategy, "v1")] = len(jobs)
+            jobs.append(dict(strategy=strategy, v=1, max_steps=3, compare_engine=True, server=server_options(first),
+                             data=dict(prompts_per_step=1)))
+            index[(strategy, "v4")] = len(jobs)
+            jobs.append(dict(strategy=strategy, v=4, max_steps=5, compare_engine=True, server=server_options(first),
+                             data=dict(prompts_per_step=1)))
+        index["straight"] = len(jobs)
+        jobs.append(dict(max_steps=4, server=server_options(first), **RESUME))
+        index["first_half"] = len(jobs)
+        ckpt = str(root / "half.ckpt")
+        jobs.append(dict(max_steps=2, ckpt_out=ckpt, server=server_options(first), **RESUME))
+        # the ranks start while the server loads its model; they wait for its /health
+        ranks = launch(jobs, world=2, workdir=root / "run", timeout_s=600)
+        first_version = first.call("GET", "/weight_info")[1]["weight_version"]
+        first.kill()
+        second.wait_ready()
+        fresh_version = second.call("GET", "/weight_info")[1]["weight_version"]
+        resumed = launch([dict(max_steps=4, ckpt_in=ckpt, server=server_options(second), **RESUME)], world=2,
+                         workdir=root / "resumed", timeout_s=300)
+        versions = dict(first=first_version, fresh=fresh_version,
+                        resumed=second.call("GET", "/weight_info")[1]["weight_version"])
+        yield index, ranks, resumed, versions
+    finally:
+        first.kill()
+        second.kill()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_v1_first_iteration_ratio_is_exactly_one_and_server_holds_the_policy(served, strategy):
+    index, ranks, _, _ = served
+    for rank in range(2):
+        result = ranks[rank][index[(strategy, "v1")]]
+        assert len(result["steps"]) == 3
+        for step in result["steps"]:
+            # synced at this step (the server's version), so alpha = pi_k: the policy's own first forward
+            assert step["train/ratio_first_iteration_min"] == 1.0 == step["train/ratio_first_iteration_max"]
+            assert step["train/staleness"] == 0.0
+        checks = result["engine_vs_policy"]
+        assert [c["synced_step"] for c in checks] == [1, 2, 3]
+        assert all(c["same"] for c in checks)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_v4_staleness_cycles_and_server_equals_gathered_policy_after_each_sync(served, strategy):
+    index, ranks, _, _ = served
+    for rank in range(2):
+        result = ranks[rank][index[(strategy, "v4")]]
+        assert [s["train/staleness"] for s in result["steps"]] == [0, 1, 2, 3, 0]
+        checks = result["engine_vs_policy"]
+        assert [c["synced_step"] for c in checks] == [0, 0, 0, 4, 4]
+        for c in checks:
+            assert c["same"] == (c["global_step"] == c["synced_step"]), c
+        # lagging batches are off-policy: the ratio moves away from 1 once the policy has moved
+        assert any(s["train/ratio_first_iteration_min"] < 1.0 for s in result["steps"][1:4])
+    assert ranks[0][index[(strategy, "v4")]]["steps"] == ranks[1][index[(strategy, "v4")]]["steps"]
+
+
+def test_exact_resume_across_a_server_restart(served):
+    index, ranks, resumed, versions = served
+    straight = ranks[0][index["straight"]]["steps"]
+    first = ranks[0][index["first_half"]]["steps"]
+    second = resumed[0][0]["steps"]
+    assert versions["first"] == "2" and versions["fresh"] is None and versions["resumed"] == "4"
+    assert [s["train/staleness"] for s in straight] == [0, 1, 0, 1]
+    assert len(first) == 2 and len(second) == 2
+    for expected, got in zip(straight, first + second, strict=True):
+        for key in expected:
+            assert got[key] == pytest.approx(expected[key], abs=1e-6), key
+    assert len({round(s["train/loss"], 6) for s in straight}) > 1 and any(s["train/kl"] > 0 for s in straight)
