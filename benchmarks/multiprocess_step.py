@@ -63,8 +63,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-
     from lit_grpo.callbacks import WeightSync
+
     from lit_grpo.data.datamodule import RolloutDataModule
     from lit_grpo.module import GRPOModule
 

@@ -175,8 +175,8 @@ def json_safe(value: Any) -> Any:
 def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
-
     from lit_grpo.callbacks import WeightSync
+
     from lit_grpo.data.datamodule import RolloutDataModule
     from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
     from lit_grpo.module import GRPOModule

@@ -7,9 +7,9 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lit_grpo.callbacks.protocol import full_named_tensors, policy_of
 from torch import nn
 
-from lit_grpo.callbacks.protocol import full_named_tensors, policy_of
 from lit_grpo.distributed import strip_wrapper_prefixes
 
 

@@ -8,9 +8,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-
 from lit_grpo.callbacks.interval import Interval
 from lit_grpo.callbacks.protocol import policy_of
+
 from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
 from lit_grpo.data.rewards import RewardRunner
@@ -22,7 +22,8 @@ class GSM8KPassAtK(Callback):
     """Sample ``num_samples`` answers per test question from the *current policy* (not the lagging rollout
     engine) and log ``eval/pass@k`` for each k: every ``every_n_optimizer_steps`` optimizer steps (or
     ``every_n_batches`` rollout batches, which then replaces the optimizer-step default; see
-    ``lit_grpo.callbacks.interval``), at the start if ``at_start``, and at the end of training if ``at_end``. The paper's evaluation is Pass@1 from 50 samples
+    ``lit_grpo.callbacks.interval``), at the start if ``at_start``, and at the end of training if ``at_end``.
+    The paper's evaluation is Pass@1 from 50 samples
     with the training sampling settings.
 
     Questions are the first ``num_questions`` of the split (all when None), dealt to the ranks in chunks of

@@ -7,7 +7,6 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-
 from lit_grpo.callbacks.interval import Interval
 from lit_grpo.callbacks.protocol import policy_of
 
@@ -76,7 +75,8 @@ class RefModelSwap(Callback):
     @property
     def state_key(self) -> str:
         # unique per period, so two instances (e.g. different units) can be checkpointed side by side
-        return self._generate_state_key(every_n_epochs=self.every_n_epochs, every_n_batches=self.interval.every_n_batches,
+        return self._generate_state_key(every_n_epochs=self.every_n_epochs,
+                                        every_n_batches=self.interval.every_n_batches,
                                         every_n_optimizer_steps=self.interval.every_n_optimizer_steps)
 
     def state_dict(self) -> dict[str, Any]:

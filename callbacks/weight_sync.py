@@ -10,7 +10,6 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-
 from lit_grpo.callbacks.protocol import engine_of, full_named_tensors, policy_of
 
 

@@ -317,7 +317,8 @@ TOOLS = {"serve": "lit_grpo.server", "export": "lit_grpo.export", "eval": "lit_g
 
 def main(args: list[str] | None = None) -> GRPOCLI | None:
     """Run the CLI on ``args`` (default: ``sys.argv[1:]``); returns the LightningCLI object of a training
-    subcommand, None for ``serve``, ``export`` and ``eval``. A usage error exits with status 2 after one line on stderr."""
+    subcommand, None for ``serve``, ``export`` and ``eval``. A usage error exits with status 2 after one line on
+    stderr."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in TOOLS:  # not Trainer methods: dispatched before LightningCLI builds its parser
         tool = importlib.import_module(TOOLS[argv[0]])

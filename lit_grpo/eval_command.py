@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -36,7 +37,7 @@ def parse_ks(text: str) -> tuple[int, ...]:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # noqa: ANN201 - NoReturn
+    def error(self, message: str) -> NoReturn:
         # raised to the CLI, which prints it as its one-line usage error
         raise ValueError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from torch import nn
 
@@ -65,7 +66,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # noqa: ANN201 - NoReturn
+    def error(self, message: str) -> NoReturn:
         # one line, raised to the caller, like the rest of the CLI's usage errors (argparse would print usage)
         raise CheckpointError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
 

@@ -23,7 +23,15 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = ("smollm2-135m-instruct", "tiny-random-llama", "arith-tiny-sft")
@@ -86,7 +94,7 @@ def smollm2_gguf_dir() -> Path:
     return folder
 
 
-def _load_smollm2(dtype: torch.dtype):
+def _load_smollm2(dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     cached = _cache_dir() / "smollm2-135m-instruct"
     if (cached / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype), AutoTokenizer.from_pretrained(cached)
@@ -106,7 +114,7 @@ def _load_smollm2(dtype: torch.dtype):
     return model.to(dtype), tokenizer
 
 
-def load_model_and_tokenizer(name: str, dtype: str = "float32"):
+def load_model_and_tokenizer(name: str, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)`` for an alias, a local directory or a Hub id; raise ``ValueError`` naming
     ``name`` when none of these works."""
     if dtype not in DTYPES:

@@ -148,13 +148,14 @@ class GRPOModule(L.LightningModule):
                 self.reference = fsdp1_wrap_model(self.reference, strategy.root_device)
 
     # ---- optimisation -------------------------------------------------------------------------------
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         total = None
         if self.trainer is not None and hp.lr_schedule != "constant":
             total = self.trainer.max_steps if self.trainer.max_steps > 0 else None
         optimizer, scheduler = build_optimizer(
-            self.policy.parameters(), hp.lr, hp.weight_decay, tuple(hp.adam_betas), hp.warmup_steps, total, hp.lr_schedule
+            self.policy.parameters(), hp.lr, hp.weight_decay, tuple(hp.adam_betas), hp.warmup_steps, total,
+            hp.lr_schedule,
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

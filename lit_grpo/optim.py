@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 
 SCHEDULES = ("constant", "linear", "cosine")
 
 
-def warmup_lambda(warmup_steps: int, total_steps: int | None, schedule: str):
+def warmup_lambda(warmup_steps: int, total_steps: int | None, schedule: str) -> Callable[[int], float]:
     """Multiplier of the base learning rate at optimizer step ``s`` (0-based)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown lr_schedule {schedule!r}; expected one of {SCHEDULES}")
@@ -27,8 +28,10 @@ def warmup_lambda(warmup_steps: int, total_steps: int | None, schedule: str):
     return factor
 
 
-def build_optimizer(params, lr: float, weight_decay: float, betas: tuple[float, float], warmup_steps: int,
-                    total_steps: int | None, schedule: str):  # noqa: ANN001
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, betas: tuple[float, float],
+    warmup_steps: int, total_steps: int | None, schedule: str,
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(warmup_steps, total_steps, schedule))
     return optimizer, scheduler

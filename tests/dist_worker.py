@@ -13,17 +13,18 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-
 from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
+from scripted_engine import ScriptedDataModule
+
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.data.rewards import RewardRunner
 from lit_grpo.distributed import full_named_parameters
-from scripted_engine import ScriptedDataModule
 
 KEYS = ("train/loss", "train/kl", "rollout/reward_mean", "rollout/reward_std", "rollout/frac_zero_variance",
         "rollout/generated_tokens", "train/staleness", "train/ratio_first_iteration_min",
-        "train/ratio_first_iteration_max", "train/ratio_mean", "train/clip_low_fraction", "train/entropy", "train/grad_norm")
+        "train/ratio_first_iteration_max", "train/ratio_mean", "train/clip_low_fraction", "train/entropy",
+        "train/grad_norm")
 
 
 def make_strategy(kind: str, world: int):  # noqa: ANN201
@@ -102,7 +103,8 @@ def run_job(job: dict, workdir: str) -> dict:
     evaluator = None
     if job.get("eval"):
         e = job["eval"]
-        evaluator = GSM8KPassAtK(every_n_optimizer_steps=None, at_start=True, at_end=False, num_samples=e["num_samples"],
+        evaluator = GSM8KPassAtK(every_n_optimizer_steps=None, at_start=True, at_end=False,
+                                 num_samples=e["num_samples"],
                                  ks=e["ks"], num_questions=e["num_questions"], questions_per_chunk=e["per_chunk"],
                                  max_new_tokens=e["max_new_tokens"], system_prompt=None)
         evaluator.judge = RewardRunner([("toy_rewards:has_digit", 1.0)])

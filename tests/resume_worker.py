@@ -7,7 +7,6 @@ import argparse
 import json
 
 import torch
-
 from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from lit_grpo.callbacks import RefModelSwap, WeightSync
 

@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import TOY_REWARD, tiny_data, tiny_module
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
+
 from lit_grpo.module import GRPOModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,8 @@ def test_unknown_model_names_the_value(name):
 
 def test_dataset_rows_missing_fields(tmp_path):
     path = tmp_path / "rows.jsonl"
-    path.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n" + json.dumps({"question": "2+2?"}) + "\n")
+    rows = [{"question": "1+1?", "answer": "#### 2"}, {"question": "2+2?"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ValueError, match="answer") as err:
         tiny_data(dataset=str(path))
     assert "1" in str(err.value)  # the row index

@@ -2,10 +2,10 @@
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
-
 from conftest import tiny_trainer
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
+from torch.utils.data import DataLoader
+
 from lit_grpo.engines import TransformersEngine
 from lit_grpo.models import load_model_and_tokenizer
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import lightning
 import pytest
 import torch
-
 from conftest import TOY_REWARD
 
 SMOLLM2 = "smollm2-135m-instruct"

@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import tiny_data, tiny_module, tiny_trainer
 from lit_grpo.callbacks import GSM8KPassAtK, WeightSync
+
 from lit_grpo.cli import main
 
 # a judge with spread for a random model (GSM8K correctness would be 0 for both, proving nothing)

@@ -3,11 +3,11 @@ HFExport callback's directory load with plain transformers and compute what the 
 
 import pytest
 import torch
+from conftest import tiny_data, tiny_module, tiny_trainer
+from lit_grpo.callbacks import HFExport, WeightSync
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import tiny_data, tiny_module, tiny_trainer
-from lit_grpo.callbacks import HFExport, WeightSync
 from lit_grpo.cli import main
 from lit_grpo.models import tiny_llama, tiny_tokenizer
 

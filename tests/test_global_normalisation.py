@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lit_grpo.distributed import reduce_stats, rank_slice
+from lit_grpo.distributed import rank_slice, reduce_stats
 from lit_grpo.math.aggregation import AGGREGATION_MODES, token_weights
 
 

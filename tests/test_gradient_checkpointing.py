@@ -3,6 +3,7 @@
 from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from handmade import handmade_batch, loss_and_grads, perturb
 from lit_grpo.callbacks import WeightSync
+
 from lit_grpo.scoring import checkpointing_drops_cache
 
 

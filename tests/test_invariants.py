@@ -1,7 +1,6 @@
 """The on-/off-policy invariants of Table 1, checked on real fits of a tiny model."""
 
 import torch
-
 from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from handmade import handmade_batch, loss_and_grads, perturb, select_groups
 from lit_grpo.callbacks import RefModelSwap, WeightSync
@@ -18,7 +17,8 @@ def test_v1_i1_ratio_is_one_at_first_iteration_every_step(tmp_path, recorder):
         assert abs(step["train/ratio_first_iteration_max"] - 1.0) <= 1e-6
         assert step["train/staleness"] == 0.0
     # same code, same shapes, same weights: in fact bit-for-bit
-    assert all(s["train/ratio_first_iteration_max"] == 1.0 == s["train/ratio_first_iteration_min"] for s in recorder.steps)
+    assert all(s["train/ratio_first_iteration_max"] == 1.0 == s["train/ratio_first_iteration_min"]
+               for s in recorder.steps)
     # the policy really moved, so a missed sync would have shown up as a ratio != 1
     assert recorder.steps[-1]["sync/count"] == 4.0  # one sync after every step
 

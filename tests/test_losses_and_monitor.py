@@ -1,9 +1,9 @@
 """The policy-loss key, the Theorem-1 TV monitor and the adaptive weight sync, on real fits of the tiny model."""
 
 import pytest
-
 from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from lit_grpo.callbacks import WeightSync
+
 from lit_grpo.math.rec import POLICY_LOSSES
 
 

@@ -11,7 +11,6 @@ import itertools
 
 import pytest
 import torch
-
 from dist_worker import run_job
 from distributed_launch import launch
 

@@ -3,9 +3,9 @@
 import math
 
 import torch
-
 from conftest import tiny_module, tiny_trainer
 from lit_grpo.callbacks import GSM8KPassAtK
+
 from lit_grpo.engines.base import Completion
 from lit_grpo.metrics import PassAtK
 

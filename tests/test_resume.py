@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from resume_worker import run
 
 WORKER = Path(__file__).with_name("resume_worker.py")

@@ -143,7 +143,8 @@ class RolloutDataModule(L.LightningDataModule):
             keep = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(seed))[:max_prompts]
             self.rows = [self.rows[i] for i in keep.tolist()]
         if len(self.rows) < prompts_per_step:
-            raise ValueError(f"dataset {dataset!r} has {len(self.rows)} rows, fewer than prompts_per_step={prompts_per_step}")
+            raise ValueError(f"dataset {dataset!r} has {len(self.rows)} rows, "
+                             f"fewer than prompts_per_step={prompts_per_step}")
         self.prompts_per_step = prompts_per_step
         self.num_generations = num_generations
         self.micro_batch_size = micro_batch_size

@@ -404,6 +404,8 @@ class ServerEngine(RolloutEngine):
         outcomes = all_gather_objects(outcome) if world > 1 else [outcome]
         errors = [o["error"] for o in outcomes if o["error"]]
         if errors:
+            for server in self.servers:  # its version is no longer known on any rank
+                server.expected_version = None
             raise ServerError(errors[0])
         versions = outcomes[0]["versions"]
         for server in self.servers:

@@ -5,8 +5,8 @@ The paper reads group-relative REINFORCE as an off-policy method and regularises
 clip mask on the REINFORCE term (REC: OneSide, TwoSide, Ring, with or without importance sampling), by an
 additive loss term (REP: OPMD, AsymRE), or by shaping the data distribution (RED: Drop, Weight). The summary
 we work from gives no equation numbers; formulas are cited by the names it uses (REC, REP, RED; Figures 2-4;
-the appendix sections on more clipping methods and on RED) and follow the notation of
-``shared/reference/peers.md``:
+the appendix sections on more clipping methods and on RED) and follow the notation of the paper's
+reference implementation in Trinity-RFT:
 
     r = exp(log pi_theta - log alpha)  (detached; alpha = rollout policy, the paper's pi_old)
     per-token loss = -M * A * w * log pi_theta + regulariser,   M, w detached.
