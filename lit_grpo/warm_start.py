@@ -1,19 +1,21 @@
-"""A small policy for the synthetic arithmetic tasks: a ~1M-parameter Llama with the character tokenizer, given a
-short, deliberately *noisy* supervised warm-start so that GRPO has something to improve.
+"""``arith-tiny-sft``: a ~0.27M-parameter Llama with the character tokenizer, partly taught column addition by a
+short supervised warm-start, so that GRPO has something to learn on a CPU in minutes.
 
-Why noisy. A policy trained to the end on correct solutions is already right, and one that never saw the task
-is never right; either way every group of G samples gets the same reward and GRPO has no signal. The warm-start
-therefore trains on solutions of which a fraction ``slip_rate`` carry one wrong digit in one step (the later
-steps carry the error on, as a solver who slipped would). The slip is drawn afresh every time an example is
-used, so the model learns a *distribution* over solutions: the right procedure as the single most likely
-answer, but with much of its probability spread over near-misses. Sampled at temperature 1 it is right about
-``1 - slip_rate`` of the time; this is the situation of a pretrained LLM on a math benchmark (the right answer
-is within reach, Pass@k >> Pass@1), and GRPO's job is the same: move probability mass onto the completions the
-verifier accepts.
+Why partly. A policy trained to the end is already right and one that never saw the task is never right; either
+way every group of G samples gets the same reward and GRPO has no signal. The warm-start therefore runs the
+first ``stop_after`` steps of a ``steps``-step supervised schedule on correct worked solutions of the task's
+*train* split and stops in the middle of learning: the model writes the solution format reliably and has half
+learned the column sums, so sampled at temperature 1 it solves about a quarter of the held-out problems and
+many groups have both right and wrong answers. What it still has to learn (the digit sums and carries it gets
+wrong) is exactly what the correctness reward pays for, the situation of a small LLM on GSM8K.
 
-The warm-started weights are a pure function of :class:`WarmStartConfig` (seeded data, noise and init; one
-thread), built on first use and cached under ``$LIT_GRPO_CACHE`` (default ``~/.cache/lit_grpo``), keyed by a
-hash of the config, so every run reuses them. Model alias: ``arith-tiny-sft`` (``lit_grpo.models``).
+(Tried and dropped: training to the end on solutions with injected arithmetic slips, to leave a gap between what
+the model knows and what it samples. The noise slowed the supervised learning of the sums several-fold and a
+noisy phase after clean training wiped out what the model knew, so neither gave a usable starting point.)
+
+The weights are a pure function of :class:`WarmStartConfig` (seeded data order and init; trained on one thread,
+so they do not depend on the machine's core count), built on first use and cached under ``$LIT_GRPO_CACHE``
+(default ``~/.cache/lit_grpo``) in a folder keyed by a hash of the config, so later runs load them in a second.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import os
 import random
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lit_grpo.data.prompts import prompt_ids
-from lit_grpo.data.synthetic import Column, Problem, generate_problems, worked_answer
+from lit_grpo.data.synthetic import generate_problems, worked_answer
 
 #: bump when the training recipe changes in a way the config does not capture, to invalidate old caches
 RECIPE_VERSION = 1
@@ -45,32 +46,38 @@ RECIPE_VERSION = 1
 class WarmStartConfig:
     """Architecture and supervised warm-start of the small arithmetic policy.
 
-    ``slip_rate`` is the fraction of training solutions with one wrong digit; it sets where GRPO starts
-    (held-out Pass@1 at temperature 1 is about ``1 - slip_rate`` once the procedure is learned).
+    The learning-rate schedule (linear warmup, cosine to 10 %) spans ``steps``; training stops after
+    ``stop_after`` of them (``None``: all), which sets where GRPO starts.
     """
 
     task: str = "add_2digit"
     data_seed: int = 0
     seed: int = 0
     steps: int = 1000
+    stop_after: int | None = 500
     batch_size: int = 32
     lr: float = 1e-2
     warmup_steps: int = 50
-    slip_rate: float = 0.7
     hidden_size: int = 64
     intermediate_size: int = 256
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(f"stop_after must lie in [1, steps={self.steps}] or be None, got {self.stop_after}")
 
     def key(self) -> str:
         payload = json.dumps({"recipe": RECIPE_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
+#: the config behind the ``arith-tiny-sft`` alias
 ARITH_TINY_SFT = WarmStartConfig()
 
 
 def build_model(config: WarmStartConfig, vocab_size: int) -> LlamaForCausalLM:
+    """A fresh model, initialised from ``config.seed`` without touching the global RNG."""
     llama = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=config.hidden_size,
@@ -86,18 +93,8 @@ def build_model(config: WarmStartConfig, vocab_size: int) -> LlamaForCausalLM:
         return LlamaForCausalLM(llama)
 
 
-def slipped(problem: Problem, rng: random.Random) -> list[Column]:
-    """The worked columns with one slip: one column's written sum off by 1 to 3 (kept within 0..19); the later
-    columns carry on from the wrong sum, so the final answer is wrong and consistent with the steps."""
-    columns = problem.columns()
-    i = rng.randrange(len(columns))
-    right = columns[i].total
-    wrong = [t for t in range(right - 3, right + 4) if t != right and 0 <= t <= 19]
-    return problem.columns({i: rng.choice(wrong)})
-
-
-def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Right-padded ids, attention mask and labels (-100 on prompt and padding: loss on the answer only)."""
+def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded ids, attention mask and labels (-100 on prompt and padding: the loss is on the answer only)."""
     width = max(len(p) + len(a) for p, a in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -110,46 +107,50 @@ def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[to
     return ids, mask, labels
 
 
-def train_warm_start(config: WarmStartConfig = ARITH_TINY_SFT, log: Callable[[str], None] | None = print,
-                     log_every: int = 100) -> tuple[LlamaForCausalLM, object]:
-    """SFT of a fresh model on noisy worked solutions of the task's *train* split (the test split is never
-    seen). Prompts are those GRPO and Pass@k build: the chat template with no system prompt."""
+def lr_factor(config: WarmStartConfig, step: int) -> float:
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train_warm_start(
+    config: WarmStartConfig = ARITH_TINY_SFT,
+    log: Callable[[str], None] | None = print,
+    on_step: Callable[[int, LlamaForCausalLM, float], None] | None = None,
+) -> tuple[LlamaForCausalLM, object]:
+    """Supervised warm-start on the task's *train* split (the test split is never seen). Prompts are the ones
+    GRPO and Pass@k build: the chat template with no system prompt (``data.system_prompt: null``).
+    ``on_step(step, model, loss)`` is called after every optimizer step (for probes; it must not train)."""
     from lit_grpo.models import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     model = build_model(config, len(tokenizer))
     problems = generate_problems(config.task, config.data_seed)["train"]
-    prompts = [prompt_ids(tokenizer, p.question, None) for p in problems]
     eos = tokenizer.eos_token_id
-    rng = random.Random(f"warm_start:{config.seed}")
+    examples = [
+        (prompt_ids(tokenizer, p.question, None),
+         list(tokenizer(worked_answer(p.columns()), add_special_tokens=False)["input_ids"]) + [eos])
+        for p in problems
+    ]
+    rng = random.Random(f"lit_grpo.warm_start:{config.seed}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, betas=(0.9, 0.98))
-
-    def lr_at(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(config, step))
     model.train()
-    start = time.perf_counter()
-    for step in range(config.steps):
-        examples = []
-        for _ in range(config.batch_size):
-            i = rng.randrange(len(problems))
-            steps = slipped(problems[i], rng) if rng.random() < config.slip_rate else problems[i].columns()
-            answer = list(tokenizer(worked_answer(steps), add_special_tokens=False)["input_ids"]) + [eos]
-            examples.append((prompts[i], answer))
-        ids, mask, labels = _batch(examples, tokenizer.pad_token_id)
+    last = config.steps if config.stop_after is None else config.stop_after
+    for step in range(1, last + 1):
+        ids, mask, labels = sft_batch([examples[rng.randrange(len(examples))] for _ in range(config.batch_size)],
+                                      tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        if log is not None and (step + 1) % log_every == 0:
-            log(f"warm-start step {step + 1}/{config.steps} loss {loss.item():.4f} "
-                f"({time.perf_counter() - start:.0f} s)")
+        if log is not None and (step % 100 == 0 or step == last):
+            log(f"warm-start step {step}/{last}: loss {loss.item():.4f}")
+        if on_step is not None:
+            on_step(step, model, loss.item())
     model.eval()
     return model, tokenizer
 
@@ -158,21 +159,22 @@ def _cache_root() -> Path:
     return Path(os.environ.get("LIT_GRPO_CACHE", Path.home() / ".cache" / "lit_grpo"))
 
 
-def cached_dir(config: WarmStartConfig) -> Path:
+def cached_dir(config: WarmStartConfig = ARITH_TINY_SFT) -> Path:
     return _cache_root() / f"arith-tiny-sft-{config.key()}"
 
 
 def load_warm_started(config: WarmStartConfig = ARITH_TINY_SFT, dtype: torch.dtype = torch.float32,
                       log: Callable[[str], None] | None = print) -> tuple[LlamaForCausalLM, object]:
-    """``(model, tokenizer)`` warm-started with ``config``: from the cache, or trained now (single-threaded,
-    so the weights do not depend on the machine's core count) and cached for the next run."""
+    """``(model, tokenizer)`` warm-started with ``config``: from the cache, or trained now on one thread (a few
+    minutes) and cached for the next run. The cached folder is a plain Hugging Face model directory."""
     from lit_grpo.models import tiny_tokenizer
 
     folder = cached_dir(config)
     if (folder / "config.json").exists():
         return LlamaForCausalLM.from_pretrained(folder, dtype=dtype), tiny_tokenizer()
     if log is not None:
-        log(f"warm-starting the arithmetic model ({config.steps} SFT steps on {config.task}); cached in {folder}")
+        log(f"arith-tiny-sft: supervised warm-start on synthetic:{config.task} "
+            f"({config.stop_after or config.steps} steps, one thread), cached in {folder}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -181,11 +183,12 @@ def load_warm_started(config: WarmStartConfig = ARITH_TINY_SFT, dtype: torch.dty
         torch.set_num_threads(threads)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
         model.save_pretrained(staging)
-        (staging / "warm_start.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+        tokenizer.save_pretrained(staging)
+        (staging / "warm_start.json").write_text(json.dumps(dataclasses.asdict(config), indent=1) + "\n")
         try:
-            staging.rename(folder)  # atomic: a concurrent run sees either no folder or a complete one
+            staging.rename(folder)  # atomic: a concurrent run sees no folder or a complete one
         except OSError:
             shutil.rmtree(staging, ignore_errors=True)  # another process cached it first
     except OSError:

@@ -7,7 +7,7 @@ change only the difficulty:
 - the reward is verifiable and judged the same way: rows are ``{"question", "answer", "gold"}`` with a worked
   ``answer`` ending in ``#### <number>``, scored by ``lit_grpo.data.rewards.correctness_reward``;
 - the solutions are multi-step: column addition, one line per column with the carry written out, then the
-  final answer, e.g. ``What is 47 + 38?`` -> ``7 + 8 = 15\\n4 + 3 + 1 = 8\\n#### 85``; a slip in any step makes
+  final answer, e.g. ``What is 47 + 38?`` -> ``7+8=15\\n4+3+1=8\\n#### 85``; a slip in any step makes
   the final number wrong, as in GSM8K's chains of calculations;
 - there is a held-out test split, disjoint from the train split (no pair of operands appears in both);
 - everything is a pure function of ``(task, split, seed)``: no file, no network, same rows on every machine.
@@ -34,7 +34,8 @@ TASKS: dict[str, int] = {"add_2digit": 2, "add_3digit": 3}
 
 @dataclass(frozen=True)
 class Column:
-    """One step of column addition: ``a + b (+ carry_in) = total``; ``carry_in`` is None in the units column."""
+    """One step of column addition, written ``a+b=total`` (units column) or ``a+b+carry_in=total`` (the others;
+    compact, like GSM8K's ``<<48/2=24>>`` calculator notes, to keep the sequences short for a character model)."""
 
     a: int
     b: int
@@ -43,8 +44,8 @@ class Column:
 
     @property
     def line(self) -> str:
-        carry = "" if self.carry_in is None else f" + {self.carry_in}"
-        return f"{self.a} + {self.b}{carry} = {self.total}"
+        carry = "" if self.carry_in is None else f"+{self.carry_in}"
+        return f"{self.a}+{self.b}{carry}={self.total}"
 
 
 @dataclass(frozen=True)
