@@ -50,8 +50,6 @@ CASES = {
     "model_value": (SMOLLM2, ["--model.lr", "-1"], False, ["lr must be > 0", "-1", "(model.lr, on the command line)"]),
     "data_value": (SMOLLM2, ["--data.num_generations", "1"], False,
                    ["num_generations", "got 1", "(data.num_generations, on the command line)"]),
-    "truncated_ckpt": (SMOLLM2, ["--ckpt_path", "{root}/truncated.ckpt"], False,
-                       ["{root}/truncated.ckpt", "truncated", "(ckpt_path, on the command line)"]),
     "debug_traceback": (SMOLLM2, ["--model.lr", "-1"], True, ["Traceback", "ValueError: lr must be > 0"]),
 }
 
@@ -67,6 +65,8 @@ IN_PROCESS = {
     "reward_spec": (["--data.rewards", "[toy_rewards:no_such_function]"], False,
                     ["no_such_function", "(data.rewards, on the command line)"]),
     "missing_model_name": ([], False, ["required", "model.model_name"]),
+    "truncated_ckpt": (["--ckpt_path", "{root}/truncated.ckpt"], False,
+                       ["{root}/truncated.ckpt", "truncated", "(ckpt_path, on the command line)"]),
     "not_a_checkpoint": (["--ckpt_path", "{root}/bad.yaml"], False,
                          ["{root}/bad.yaml", "not a torch.save archive", "(ckpt_path, on the command line)"]),
     "missing_checkpoint": (["--ckpt_path", "{root}/nothing.ckpt"], False, ["{root}/nothing.ckpt", "does not exist"]),
