@@ -74,14 +74,23 @@ def grpo_loss(
         low, high = clip_bounds(ref_ratio, config.eps_low, config.eps_high)
         clip_low = m & (adv < 0) & (r < low)
         clip_high = m & (adv > 0) & (r > high)
-        inf = torch.tensor(float("inf"), dtype=r.dtype, device=r.device)
-        stats = {
-            "tokens": m.sum().to(torch.float64),
-            "ratio_sum": r[m].sum().to(torch.float64),
-            "ratio_min": r[m].min() if m.any() else inf,
-            "ratio_max": r[m].max() if m.any() else -inf,
-            "clip_low": clip_low.sum().to(torch.float64),
-            "clip_high": clip_high.sum().to(torch.float64),
-            "kl_sum": (kl.detach()[m].sum() if kl is not None else torch.zeros((), device=r.device)).to(torch.float64),
-        }
-    return loss, stats
+    return loss, token_stats(m, r, clip_low, clip_high, kl)
+
+
+@torch.no_grad()
+def token_stats(m: torch.Tensor, ratio: torch.Tensor, clip_low: torch.Tensor, clip_high: torch.Tensor,
+                kl: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Sums and extrema over the tokens of the boolean mask ``m``, so micro-batches and ranks merge exactly:
+    ``tokens``, ``ratio_sum``, ``ratio_min``, ``ratio_max``, ``clip_low``, ``clip_high``, ``kl_sum``."""
+    ratio = ratio.detach()
+    inf = torch.tensor(float("inf"), dtype=ratio.dtype, device=ratio.device)
+    return {
+        "tokens": m.sum().to(torch.float64),
+        "ratio_sum": ratio[m].sum().to(torch.float64),
+        "ratio_min": ratio[m].min() if m.any() else inf,
+        "ratio_max": ratio[m].max() if m.any() else -inf,
+        "clip_low": clip_low.sum().to(torch.float64),
+        "clip_high": clip_high.sum().to(torch.float64),
+        "kl_sum": (kl.detach()[m].sum() if kl is not None else torch.zeros((), device=ratio.device)).to(
+            torch.float64),
+    }

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from lit_grpo.math.kl import k3_kl
-from lit_grpo.math.objective import GRPOLossConfig, grpo_loss
+from lit_grpo.math.objective import GRPOLossConfig, grpo_loss, token_stats
 
 
 @dataclass(frozen=True)
@@ -121,19 +121,7 @@ def _reinforce_family(
         # A == 0 tokens carry no policy gradient: a masked one is counted on neither side.
         clip_low = dropped & (adv < 0)
         clip_high = dropped & (adv > 0)
-        inf = torch.tensor(float("inf"), dtype=ratio.dtype, device=ratio.device)
-        stats = {
-            "tokens": m.sum().to(torch.float64),
-            "ratio_sum": ratio[m].sum().to(torch.float64),
-            "ratio_min": ratio[m].min() if m.any() else inf,
-            "ratio_max": ratio[m].max() if m.any() else -inf,
-            "clip_low": clip_low.sum().to(torch.float64),
-            "clip_high": clip_high.sum().to(torch.float64),
-            "kl_sum": (kl.detach()[m].sum() if kl is not None else torch.zeros((), device=ratio.device)).to(
-                torch.float64
-            ),
-        }
-    return loss, stats
+    return loss, token_stats(m, ratio, clip_low, clip_high, kl)
 
 
 def rec_masks(
