@@ -1,9 +1,11 @@
-"""Step time and peak memory per process of GRPO training in 1 process, 2 DDP processes and 2 FSDP2 processes.
+"""Step time and peak memory per process of GRPO training in 1 process, 2 DDP processes, 2 FSDP2 processes, and 2 FSDP2
+processes with the project's rollout server (the paper's layout on CPU).
 
 The job is the demo shape of ``step_time.py``: SmolLM2-135M-Instruct in float32, a frozen reference (beta 0.1),
 2 GSM8K prompts x G = 8 completions per step, 64 new tokens, temperature 1.0, one AdamW step per rollout batch,
 weights synced to the in-process rollout engine every step (v = 1). The global batch is the same in every layout:
-1 process draws both prompts; 2 processes draw one each.
+1 process draws both prompts; 2 processes draw one each. In the ``server`` layout a third process
+(``python -m lit_grpo serve``, one thread) samples the rollouts and rank 0 pushes the weights to it every step.
 
 On a machine with few cores the processes share them (``--threads`` per process, default: cores / processes),
 so this measures the overhead of the layouts, not a speed-up: gradient all-reduce (DDP), parameter all-gathers
@@ -32,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +42,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 OUTPUT = REPO_ROOT / "benchmarks" / "results" / "multiprocess_step.json"
-LAYOUTS = {"single": 1, "ddp": 2, "fsdp2": 2}
+LAYOUTS = {"single": 1, "ddp": 2, "fsdp2": 2, "server": 2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,10 +88,14 @@ def worker(args: argparse.Namespace) -> None:
             self.last = time.perf_counter()
 
     timeout = timedelta(seconds=600)
+    fsdp2 = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)
     strategy = {"single": "auto", "ddp": DDPStrategy(process_group_backend="gloo", timeout=timeout),
-                "fsdp2": ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)}
+                "fsdp2": fsdp2, "server": fsdp2}[layout]
+    # the server layout: the ranks send their prompts to the project's rollout server, rank 0 pushes the weights
+    engine = {"engine": "server", "engine_options": {"url": os.environ["LIT_GRPO_BENCH_URL"], "timeout_s": 120,
+                                                     "generate_timeout_s": 900}} if layout == "server" else {}
     timer = Timer()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy[layout],
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy,
                         max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[WeightSync(), timer],
                         default_root_dir=str(REPO_ROOT / "benchmarks" / "results" / "lightning_logs"))
@@ -96,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
                         log_completions_every_n_steps=None)
     data = RolloutDataModule(prompts_per_step=args.prompts // world, num_generations=args.generations,
                              micro_batch_size=args.prompts // world * args.generations,
-                             max_new_tokens=args.max_new_tokens, rewards=["correctness"], seed=0)
+                             max_new_tokens=args.max_new_tokens, rewards=["correctness"], seed=0, **engine)
     trainer.fit(module, datamodule=data)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps({"rank": trainer.global_rank, "steps": timer.steps[args.warmup:],
@@ -110,6 +117,21 @@ def free_port() -> int:
 
 
 def run_layout(layout: str, args: argparse.Namespace) -> list[dict]:
+    if layout != "server":
+        return run_ranks(layout, args, {})
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from server_process import ServerProcess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess(Path(tmp), model=args.model)  # one thread: it generates while the ranks wait
+        try:
+            url = server.wait_ready()
+            return run_ranks(layout, args, {"LIT_GRPO_BENCH_URL": url, "LIT_GRPO_SERVER_TOKEN": server.token})
+        finally:
+            server.kill()
+
+
+def run_ranks(layout: str, args: argparse.Namespace, extra_env: dict[str, str]) -> list[dict]:
     world, port = LAYOUTS[layout], free_port()
     argv = [sys.executable, __file__, "--worker", layout, "--model", args.model, "--prompts", str(args.prompts),
             "--generations", str(args.generations), "--max-new-tokens", str(args.max_new_tokens),
@@ -119,7 +141,7 @@ def run_layout(layout: str, args: argparse.Namespace) -> list[dict]:
     procs = []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                   NODE_RANK="0", LOCAL_RANK=str(rank))
+                   NODE_RANK="0", LOCAL_RANK=str(rank), **extra_env)
         if world == 1:
             for key in ("MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"):
                 env.pop(key)

@@ -79,10 +79,10 @@ class GSM8KPassAtK(Callback):
         record = {"step": float(trainer.global_step), **{f"pass@{k}": v for k, v in results.items()}}
         self.history.append(record)
         metrics = {f"eval/pass@{k}": v for k, v in results.items()}
-        # same x-axis as the training metrics: Lightning's logging step (one per training batch)
-        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        # x = rollout batches done (0 before training): the axis of the training metrics, one point per batch;
+        # Lightning's own counter lags by one inside on_train_batch_end, which would put it before its batch
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics, step=self.batches_seen)
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in metrics.items()})
         return results
 

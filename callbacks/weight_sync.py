@@ -26,17 +26,31 @@ class WeightSync(Callback):
     first, the v-batch interval or the TV budget, triggers the sync; ``sync/by_interval`` and ``sync/by_tv``
     count the reasons.
 
+    Stale data (``delay_batches = d``): the weights taken at a sync reach the engine d rollout batches later, so
+    every batch is sampled from weights at least d optimizer steps old, as when a rollout worker runs ahead of
+    the trainer (Trinity-RFT's ``sync_offset``, the "stale data" setting of Yao et al.; ``v=1, d=1`` is
+    one-step-off-policy training). The weights in flight are a full copy each (on the CPU), kept in checkpoints.
+
     Each sync is timed (``sync/seconds``). The engine's weights are saved in checkpoints while they lag the
     policy, so a resumed run samples from exactly the weights it would have used.
     """
 
     def __init__(self, every_n_batches: int = 1, max_tv: float | None = None, tv_metric: str = "tv/pi_alpha",
-                 engine: Any = None) -> None:
+                 engine: Any = None, delay_batches: int = 0) -> None:
         if not isinstance(every_n_batches, int) or every_n_batches < 1:
             raise ValueError(f"every_n_batches (v) must be an integer >= 1, got {every_n_batches!r}")
         if max_tv is not None and not (0 <= max_tv < math.inf):
             raise ValueError(f"max_tv must be a finite number >= 0 or None, got {max_tv!r}")
+        if not isinstance(delay_batches, int) or delay_batches < 0:
+            raise ValueError(f"delay_batches must be an integer >= 0, got {delay_batches!r}")
+        if delay_batches and max_tv is not None:
+            raise ValueError(f"max_tv={max_tv} syncs because the policy drifted now; it cannot be combined with "
+                             f"delay_batches={delay_batches}, which delivers weights later (use one of the two)")
         self.every_n_batches = every_n_batches
+        self.delay_batches = delay_batches
+        #: weights taken at a sync and not yet delivered: (batch at which they are due, their step, tensors)
+        self.in_flight: list[tuple[int, int, dict[str, Any]]] = []
+        self.batches_seen = 0
         self.max_tv = max_tv
         self.tv_metric = tv_metric
         self.engine = engine
@@ -51,14 +65,28 @@ class WeightSync(Callback):
         self._restored = False
 
     def sync(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        engine = engine_of(trainer, pl_module, self.engine)
         start = time.perf_counter()
-        engine.load_weights(full_named_tensors(policy_of(pl_module)), step=trainer.global_step)
+        if self.delay_batches:  # take the weights now (a collective under FSDP), deliver them later
+            weights = {name: t.detach().to("cpu", copy=True) for name, t in full_named_tensors(policy_of(pl_module))}
+            self.in_flight.append((self.batches_seen + self.delay_batches, trainer.global_step, weights))
+        else:
+            engine = engine_of(trainer, pl_module, self.engine)
+            engine.load_weights(full_named_tensors(policy_of(pl_module)), step=trainer.global_step)
+            self.last_sync_step = trainer.global_step
         self.last_sync_seconds = time.perf_counter() - start
         self.total_sync_seconds += self.last_sync_seconds
-        self.last_sync_step = trainer.global_step
         self.batches_since_sync = 0
         self.num_syncs += 1
+
+    def deliver_due(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Load the newest weights in flight whose delay has passed (older due ones are superseded)."""
+        due = [w for w in self.in_flight if w[0] <= self.batches_seen]
+        if not due:
+            return
+        self.in_flight = [w for w in self.in_flight if w[0] > self.batches_seen]
+        _, step, weights = due[-1]
+        engine_of(trainer, pl_module, self.engine).load_weights(iter(weights.items()), step=step)
+        self.last_sync_step = step
 
     def measured_tv(self, trainer: L.Trainer) -> float | None:
         value = trainer.callback_metrics.get(self.tv_metric)
@@ -82,6 +110,7 @@ class WeightSync(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.batches_since_sync += 1
+        self.batches_seen += 1
         by_interval = self.batches_since_sync >= self.every_n_batches
         tv = self.measured_tv(trainer) if self.max_tv is not None else None
         if self.max_tv is not None and tv is None:
@@ -94,6 +123,7 @@ class WeightSync(Callback):
             self.syncs_by_interval += int(by_interval)
             self.syncs_by_tv += int(by_tv and not by_interval)
             pl_module.log("sync/seconds", self.last_sync_seconds, on_step=True, batch_size=1)
+        self.deliver_due(trainer, pl_module)
         pl_module.log("sync/count", float(self.num_syncs), on_step=True, batch_size=1)
         pl_module.log("sync/by_interval", float(self.syncs_by_interval), on_step=True, batch_size=1)
         pl_module.log("sync/by_tv", float(self.syncs_by_tv), on_step=True, batch_size=1)
@@ -121,6 +151,8 @@ class WeightSync(Callback):
             "syncs_by_tv": self.syncs_by_tv,
             "last_sync_step": self.last_sync_step,
             "total_sync_seconds": self.total_sync_seconds,
+            "batches_seen": self.batches_seen,
+            "in_flight": [(due, step, weights) for due, step, weights in self.in_flight],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -130,4 +162,6 @@ class WeightSync(Callback):
         self.syncs_by_tv = int(state_dict.get("syncs_by_tv", 0))
         self.last_sync_step = int(state_dict["last_sync_step"])
         self.total_sync_seconds = float(state_dict["total_sync_seconds"])
+        self.batches_seen = int(state_dict.get("batches_seen", 0))
+        self.in_flight = [(int(due), int(step), dict(weights)) for due, step, weights in state_dict.get("in_flight", [])]
         self._restored = True

@@ -7,10 +7,10 @@ Aliases:
   so later loads take about a second.
 - ``tiny-random-llama``: a 2-layer Llama with a character-level tokenizer, built from a config with a fixed
   seed (for tests and benchmarks of the machinery; it knows nothing).
-- ``arith-tiny-sft``: a 4-layer Llama (~0.3M parameters, character tokenizer) with a short, noisy supervised
-  warm-start on the synthetic task ``synthetic:add_2digit``, so that GRPO has room to improve it on a CPU in
-  minutes (see ``lit_grpo.warm_start``); trained on first use (single-threaded, seeded) and cached under
-  ``$LIT_GRPO_CACHE``.
+- ``arith-tiny-sft``: a 4-layer Llama (~0.27M parameters, character tokenizer) given a label-smoothed supervised
+  warm-start on the synthetic task ``synthetic:add_2digit``: it can solve the task but samples the right answer
+  only ~20 % of the time, so GRPO has room to improve it on a CPU in minutes (see ``lit_grpo.warm_start``);
+  trained on first use (one thread, seeded, ~2-3 minutes) and cached under ``$LIT_GRPO_CACHE``.
 
 Anything else is passed to ``from_pretrained``: a local directory or a Hub id such as
 ``Qwen/Qwen2.5-0.5B-Instruct`` (needs network unless already in the Hub cache).

@@ -74,6 +74,22 @@ class EngineVsPolicy(MetricsRecorder):
         self.steps.append({"global_step": trainer.global_step, "synced_step": engine.synced_step, "same": same})
 
 
+class KillServer(MetricsRecorder):
+    """Rank 0 kills the rollout server (SIGKILL, process id ``pid``) at the end of batch ``after_batch``: the
+    server dies mid-run, between two rollout batches."""
+
+    def __init__(self, pid: int, after_batch: int) -> None:
+        super().__init__()
+        self.pid, self.after_batch = pid, after_batch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        import os
+        import signal
+
+        if trainer.global_rank == 0 and batch_idx + 1 == self.after_batch:
+            os.kill(self.pid, signal.SIGKILL)
+
+
 def wait_until_serving(url: str, timeout_s: float = 240.0) -> None:
     """The server may still be loading its model when the ranks start: poll its /health."""
     import time
@@ -100,6 +116,8 @@ def run_job(job: dict, workdir: str) -> dict:
         callbacks.append(RefModelSwap(every_n_optimizer_steps=job["swap_every"]))
     compare = EngineVsPolicy() if job.get("compare_engine") else None
     callbacks += [c for c in (compare,) if c is not None]
+    if job.get("kill_server"):
+        callbacks.append(KillServer(**job["kill_server"]))
     evaluator = None
     if job.get("eval"):
         e = job["eval"]

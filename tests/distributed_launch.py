@@ -21,8 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(jobs: list[dict], world: int, workdir: Path, timeout_s: float = 300.0) -> list[list[dict]]:
-    """Run ``jobs`` in ``world`` processes; returns each rank's list of job results, in rank order."""
+def start(jobs: list[dict], world: int, workdir: Path) -> tuple[list[subprocess.Popen], list]:
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "jobs.json"
     spec.write_text(json.dumps([{**job, "world": world} for job in jobs]))
@@ -35,6 +34,12 @@ def launch(jobs: list[dict], world: int, workdir: Path, timeout_s: float = 300.0
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec), str(workdir / "out")], env=env,
                                       cwd=WORKER.parent, stdout=log, stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def launch(jobs: list[dict], world: int, workdir: Path, timeout_s: float = 300.0) -> list[list[dict]]:
+    """Run ``jobs`` in ``world`` processes; returns each rank's list of job results, in rank order."""
+    procs, logs = start(jobs, world, workdir)
     deadline = time.monotonic() + timeout_s
     try:
         while any(p.poll() is None for p in procs):
@@ -56,3 +61,22 @@ def launch(jobs: list[dict], world: int, workdir: Path, timeout_s: float = 300.0
                           for r in range(world))
         raise AssertionError(f"multi-process run failed (hung ranks: {hung}, exit codes: {codes})\n{tails}")
     return [json.loads((workdir / f"out.{r}.json").read_text()) for r in range(world)]
+
+
+def launch_to_the_end(jobs: list[dict], world: int, workdir: Path, timeout_s: float) -> tuple[list, list[str], float]:
+    """Run ``jobs`` and let every process end by itself (a failing rank does not stop the others): returns the exit
+    codes (``None`` for a rank still running at ``timeout_s``, then killed), each rank's output, and the seconds
+    until the last one ended."""
+    procs, logs = start(jobs, world, workdir)
+    begin = time.monotonic()
+    while any(p.poll() is None for p in procs) and time.monotonic() - begin < timeout_s:
+        time.sleep(0.2)
+    elapsed = time.monotonic() - begin
+    codes = [p.poll() for p in procs]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()
+    return codes, [(workdir / f"rank{r}.log").read_text() for r in range(world)], elapsed

@@ -1,4 +1,6 @@
-"""The newcomer's main job: the demo config runs offline from a fresh install and writes TensorBoard events."""
+"""The newcomer's configs run offline from a fresh install and write TensorBoard events: the SmolLM2/GSM8K
+config end to end, and the default demo (the learnable synthetic task) wired up with the untrained tiny model
+in place of its warm-started one (the warm-start itself: tests/test_synthetic_task.py)."""
 
 import os
 import subprocess
@@ -20,14 +22,14 @@ REQUIRED_TAGS = [
 ]
 
 
-def test_demo_config_runs_offline_and_logs_every_metric(tmp_path):
+def test_smollm2_config_runs_offline_and_logs_every_metric(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", LIT_GRPO_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(
-        [sys.executable, "-m", "lit_grpo", "fit", "--config", str(ROOT / "configs" / "demo_cpu.yaml")],
+        [sys.executable, "-m", "lit_grpo", "fit", "--config", str(ROOT / "configs" / "smollm2_gsm8k_cpu.yaml")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    run_dir = tmp_path / "runs" / "demo_cpu"
+    run_dir = tmp_path / "runs" / "smollm2_gsm8k_cpu"
     scalars = read_scalars(run_dir)
     missing = [t for t in REQUIRED_TAGS if t not in scalars]
     assert not missing, missing
@@ -38,6 +40,22 @@ def test_demo_config_runs_offline_and_logs_every_metric(tmp_path):
     assert completions_logged(run_dir)
     png = plot_runs([str(run_dir)], str(tmp_path / "demo.png"))
     assert png.stat().st_size > 10_000
+
+
+def test_default_demo_trains_and_evaluates_on_the_synthetic_task(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lit_grpo", "fit", "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
+         "--model.model_name", "tiny-random-llama", "--trainer.max_steps", "3", "--eval.num_questions", "8",
+         "--eval.every_n_optimizer_steps", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    scalars = read_scalars(tmp_path / "runs" / "demo_cpu")
+    assert len(scalars["rollout/reward_mean"]) == 3
+    # Pass@1 at the start (step 0), after step 2 and at the end (step 3): the before/after the README reports
+    assert [step for step, _ in scalars["eval/pass@1"]] == [0, 2, 3]
+    assert "eval/pass@8" in scalars
 
 
 def completions_logged(run_dir: Path) -> bool:

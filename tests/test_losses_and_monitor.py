@@ -73,3 +73,32 @@ def test_max_tv_syncs_when_and_only_when_tv_exceeds_it_or_v_batches_pass(tmp_pat
             since = 0
         previous = step
     assert "by_tv" in reasons  # the budget fired at least once, before the interval
+
+
+def test_delayed_sync_gives_stale_data_and_resumes_exactly(tmp_path):
+    # v = 2, d = 1: the weights taken after batch 2 reach the engine after batch 3, those of batch 4 after 5, ...
+    recorder = MetricsRecorder()
+    trainer = tiny_trainer(tmp_path / "straight", max_steps=6,
+                           callbacks=[WeightSync(every_n_batches=2, delay_batches=1), recorder])
+    trainer.fit(tiny_module(lr=1e-2), datamodule=tiny_data())
+    assert [s["train/staleness"] for s in recorder.steps] == [0, 1, 2, 1, 2, 1]
+    assert all(s["tv/pik_alpha"] > 1e-4 for s in recorder.steps[1:])  # never on-policy after the first batch
+
+    # the weights in flight survive a checkpoint taken between their sync and their delivery
+    first = MetricsRecorder()
+    half = tiny_trainer(tmp_path / "half", max_steps=2, callbacks=[WeightSync(every_n_batches=2, delay_batches=1), first])
+    half.fit(tiny_module(lr=1e-2), datamodule=tiny_data())
+    half.save_checkpoint(tmp_path / "half.ckpt")
+    second = MetricsRecorder()
+    tiny_trainer(tmp_path / "rest", max_steps=6, callbacks=[WeightSync(every_n_batches=2, delay_batches=1), second]).fit(
+        tiny_module(lr=1e-2), datamodule=tiny_data(), ckpt_path=tmp_path / "half.ckpt")
+    for expected, got in zip(recorder.steps, first.steps + second.steps, strict=True):
+        assert got["train/staleness"] == expected["train/staleness"]
+        assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(delay_batches=-1), "delay_batches"),
+                                           (dict(delay_batches=1, max_tv=0.1), "max_tv")])
+def test_delayed_sync_rejects_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WeightSync(**kwargs)
