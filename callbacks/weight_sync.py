@@ -163,5 +163,6 @@ class WeightSync(Callback):
         self.last_sync_step = int(state_dict["last_sync_step"])
         self.total_sync_seconds = float(state_dict["total_sync_seconds"])
         self.batches_seen = int(state_dict.get("batches_seen", 0))
-        self.in_flight = [(int(due), int(step), dict(weights)) for due, step, weights in state_dict.get("in_flight", [])]
+        self.in_flight = [(int(due), int(step), dict(weights))
+                          for due, step, weights in state_dict.get("in_flight", [])]
         self._restored = True

@@ -37,6 +37,16 @@ def start(jobs: list[dict], world: int, workdir: Path) -> tuple[list[subprocess.
     return procs, logs
 
 
+def stop(procs: list[subprocess.Popen], logs: list) -> None:
+    """Kill the processes still running and close the logs."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()
+
+
 def launch(jobs: list[dict], world: int, workdir: Path, timeout_s: float = 300.0) -> list[list[dict]]:
     """Run ``jobs`` in ``world`` processes; returns each rank's list of job results, in rank order."""
     procs, logs = start(jobs, world, workdir)
@@ -49,12 +59,7 @@ def launch(jobs: list[dict], world: int, workdir: Path, timeout_s: float = 300.0
             time.sleep(0.2)
     finally:
         hung = [r for r, p in enumerate(procs) if p.poll() is None]
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+        stop(procs, logs)
     codes = [p.returncode for p in procs]
     if hung or any(codes):
         tails = "\n".join(f"--- rank {r} (exit {codes[r]}) ---\n" + (workdir / f"rank{r}.log").read_text()[-3000:]
@@ -73,10 +78,5 @@ def launch_to_the_end(jobs: list[dict], world: int, workdir: Path, timeout_s: fl
         time.sleep(0.2)
     elapsed = time.monotonic() - begin
     codes = [p.poll() for p in procs]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    for log in logs:
-        log.close()
+    stop(procs, logs)
     return codes, [(workdir / f"rank{r}.log").read_text() for r in range(world)], elapsed

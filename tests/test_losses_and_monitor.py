@@ -85,12 +85,15 @@ def test_delayed_sync_gives_stale_data_and_resumes_exactly(tmp_path):
     assert all(s["tv/pik_alpha"] > 1e-4 for s in recorder.steps[1:])  # never on-policy after the first batch
 
     # the weights in flight survive a checkpoint taken between their sync and their delivery
+    def delayed() -> WeightSync:
+        return WeightSync(every_n_batches=2, delay_batches=1)
+
     first = MetricsRecorder()
-    half = tiny_trainer(tmp_path / "half", max_steps=2, callbacks=[WeightSync(every_n_batches=2, delay_batches=1), first])
+    half = tiny_trainer(tmp_path / "half", max_steps=2, callbacks=[delayed(), first])
     half.fit(tiny_module(lr=1e-2), datamodule=tiny_data())
     half.save_checkpoint(tmp_path / "half.ckpt")
     second = MetricsRecorder()
-    tiny_trainer(tmp_path / "rest", max_steps=6, callbacks=[WeightSync(every_n_batches=2, delay_batches=1), second]).fit(
+    tiny_trainer(tmp_path / "rest", max_steps=6, callbacks=[delayed(), second]).fit(
         tiny_module(lr=1e-2), datamodule=tiny_data(), ckpt_path=tmp_path / "half.ckpt")
     for expected, got in zip(recorder.steps, first.steps + second.steps, strict=True):
         assert got["train/staleness"] == expected["train/staleness"]
