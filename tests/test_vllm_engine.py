@@ -98,11 +98,19 @@ class FakeLLM:
     instances = []  # noqa: RUF012 (class-level registry, reset per test)
 
     def __post_init__(self) -> None:
+        # no llm_engine / model_executor internals: weights must go through collective_rpc("reload_weights")
         self.model = FakeModel(self.events)
-        runner = types.SimpleNamespace(get_model=lambda: self.model)
-        worker = types.SimpleNamespace(model_runner=runner)
-        self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker))
         FakeLLM.instances.append(self)
+
+    def collective_rpc(self, method: str, timeout=None, args=(), kwargs=None):  # noqa: ANN001, ANN201
+        """`LLM.collective_rpc`: with the external launcher the one worker runs `method` in this process.
+        Only the worker method the engine may use exists here (`load_weights` is not a worker RPC)."""
+        self.events.append(f"collective_rpc {method}")
+        if method != "reload_weights":
+            raise AttributeError(f"the GPU worker has no method {method!r}")
+        assert set(kwargs) == {"weights_iterator", "is_checkpoint_format"} and kwargs["is_checkpoint_format"] is True
+        self.model.load_weights(kwargs["weights_iterator"])
+        return [None]
 
     @classmethod
     def build(cls, **kwargs: Any) -> FakeLLM:
@@ -333,6 +341,7 @@ def test_load_weights_streams_converted_tensors_then_resets_prefix_cache(fake_vl
 
     engine.load_weights(source(), step=5)
     assert llm.events == [
+        "collective_rpc reload_weights",
         "yield embed.weight", "load embed.weight",  # one tensor at a time: nothing is gathered up front
         "yield proj.weight", "load proj.weight",
         "yield positions", "load positions",
@@ -343,6 +352,36 @@ def test_load_weights_streams_converted_tensors_then_resets_prefix_cache(fake_vl
     assert torch.equal(llm.model.embed.weight, embed.to(torch.bfloat16))
     assert torch.equal(llm.model.proj.weight, proj.to(torch.bfloat16))
     assert engine.synced_step == 5
+
+
+@pytest.mark.parametrize("temperature", [0.005, 2.5])
+def test_temperatures_vllm_would_change_are_rejected(fake_vllm, temperature):
+    engine = VLLMEngine("org/model")
+    with pytest.raises(ValueError, match=rf"temperature {temperature} is outside \[0.01, 2.0\]"):
+        engine.generate([[1, 2]], n=2, sampling=SamplingConfig(max_new_tokens=4, temperature=temperature), seed=0)
+    assert only_llm().generate_calls == []
+    # the data module refuses them before any model or engine is built
+    from lit_grpo.data.datamodule import RolloutDataModule
+
+    with pytest.raises(ValueError, match="outside"):
+        RolloutDataModule(engine="vllm", temperature=temperature)
+    with pytest.raises(ValueError, match="outside"):
+        RolloutDataModule(engine="server", engine_options={"kind": "vllm"}, temperature=temperature)
+    RolloutDataModule(engine="server", temperature=temperature)  # the project's server samples at any T > 0
+
+
+def test_local_rank_must_match_the_trainers_cuda_device(monkeypatch):
+    from lit_grpo.engines import vllm_engine
+
+    monkeypatch.setattr(vllm_engine.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vllm_engine.torch.cuda, "current_device", lambda: 3)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert vllm_engine.trainer_device_index() == 3  # not 0: the device the trainer selected
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert vllm_engine.trainer_device_index() == 3
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match="LOCAL_RANK=0 but this process trains on cuda:3"):
+        vllm_engine.trainer_device_index()
 
 
 def test_load_weights_without_tensors_raises_and_keeps_step(fake_vllm):
@@ -386,7 +425,7 @@ def test_sleep_mode_frees_memory_outside_rollouts(fake_vllm):
     assert llm.events[1:] == ["wake_up", "generate", "sleep 1"]
     del llm.events[:]
     engine.load_weights([("proj.weight", torch.zeros(4, 4))], step=1)
-    assert llm.events == ["wake_up", "load proj.weight", "reset_prefix_cache"]
+    assert llm.events == ["wake_up", "collective_rpc reload_weights", "load proj.weight", "reset_prefix_cache"]
     del llm.events[:]
     engine.generate([[1]], n=2, sampling=SamplingConfig(max_new_tokens=2), seed=0)
     assert llm.events == ["generate", "sleep 1"]  # already awake after the sync

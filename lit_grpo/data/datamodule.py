@@ -133,6 +133,10 @@ class RolloutDataModule(L.LightningDataModule):
         if max_prompts is not None and max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1 or None, got {max_prompts}")
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        if engine == "vllm" or (engine == "server" and (engine_options or {}).get("kind") == "vllm"):
+            from lit_grpo.engines.vllm_engine import check_vllm_temperature  # imports no vllm
+
+            check_vllm_temperature(temperature)
         specs = list(rewards) if rewards else ["correctness"]
         if reward_weights is not None and len(reward_weights) != len(specs):
             raise ValueError(f"reward_weights has {len(reward_weights)} entries for {len(specs)} rewards {specs}")

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
 from lit_grpo.models import ALIASES
@@ -23,6 +22,14 @@ INSTALL_HINT = "install it with `pip install 'lit_grpo[vllm]'` (needs a CUDA mac
 
 #: ``dtype`` values vLLM's ``ModelConfig`` accepts (``vllm/config/model.py``, ``ModelDType``)
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+#: temperatures vLLM samples at unchanged (``vllm/sampling_params.py``: below 0.01 it silently raises the value to
+#: 0.01, above 2 it rejects the request); outside this range alpha's log-probs would not be the trainer's
+VLLM_TEMPERATURE_RANGE = (0.01, 2.0)
+
+#: torch dtypes of the ``dtype`` names whose weights the sync casts to before streaming them ("auto": as sent)
+TORCH_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float": torch.float32, "float32": torch.float32}
 
 #: ``LLM`` arguments the engine sets itself: changing them would break the log-probs or the weight sync
 RESERVED_LLM_KWARGS = ("distributed_executor_backend", "logprobs_mode")
@@ -61,6 +68,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def trainer_device_index() -> int:
+    """The CUDA device this process trains on, where vLLM's external launcher must put the engine: it uses
+    ``cuda:LOCAL_RANK`` (``vllm/v1/worker/gpu_worker.py``). Lightning sets the trainer's device with
+    ``torch.cuda.set_device``, which is the truth; a ``LOCAL_RANK`` that disagrees with it is an error, not a
+    value to trust. Without CUDA: ``LOCAL_RANK`` or 0."""
+    env = os.environ.get("LOCAL_RANK")
+    if not torch.cuda.is_available():
+        return int(env) if env is not None else 0
+    device = torch.cuda.current_device()
+    if env is not None and int(env) != device:
+        raise ValueError(f"LOCAL_RANK={env} but this process trains on cuda:{device}; vLLM's external launcher puts "
+                         "the engine on cuda:LOCAL_RANK, so the two must agree (select the device with "
+                         "torch.cuda.set_device(LOCAL_RANK) or launch with matching LOCAL_RANK)")
+    return device
+
+
 def set_launcher_env() -> None:
     """Export the rendezvous variables the external launcher reads.
 
@@ -73,16 +96,22 @@ def set_launcher_env() -> None:
     if distributed:
         os.environ["RANK"] = str(torch.distributed.get_rank())
         os.environ["WORLD_SIZE"] = str(torch.distributed.get_world_size())
-        if "LOCAL_RANK" not in os.environ:
-            local = torch.cuda.current_device() if torch.cuda.is_available() else 0
-            os.environ["LOCAL_RANK"] = str(local)
     else:
         os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ["LOCAL_RANK"] = str(trainer_device_index())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
+
+
+def check_vllm_temperature(temperature: float) -> None:
+    """Reject a temperature that vLLM would change or refuse (see :data:`VLLM_TEMPERATURE_RANGE`): the importance
+    ratio needs the log-probs of ``softmax(logits / temperature)`` at exactly the trainer's temperature."""
+    low, high = VLLM_TEMPERATURE_RANGE
+    if not low <= temperature <= high:
+        raise ValueError(f"temperature {temperature!r} is outside [{low}, {high}], the range vLLM samples at unchanged "
+                         f"(it raises lower values to {low} and rejects higher ones); choose a temperature in it")
 
 
 def tokenizer_stop_ids(tokenizer: Any) -> list[int]:
@@ -154,23 +183,17 @@ def to_group(request_output: Any, n: int) -> list[Completion]:
     return [to_completion(o) for o in outputs]
 
 
-def floating_placement(model: nn.Module) -> tuple[torch.device, torch.dtype]:
-    """Device and dtype of the model's floating-point weights (where incoming tensors must end up)."""
-    for param in model.parameters():
-        if param.is_floating_point():
-            return param.device, param.dtype
-    raise RuntimeError("the vLLM model has no floating-point parameters to load weights into")
-
-
 def placed(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device, dtype: torch.dtype, counter: list[int]
+    named_tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device | None, dtype: torch.dtype | None,
+    counter: list[int],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream ``(name, tensor)`` pairs moved to the model's device, floating tensors cast to its dtype, one at a
-    time so at most one converted copy exists; ``counter[0]`` counts them."""
+    """Stream ``(name, tensor)`` pairs moved to ``device`` (``None``: where they are), floating tensors cast to
+    ``dtype`` (``None``: as they are), one at a time so at most one converted copy exists; ``counter[0]`` counts
+    them."""
     for name, tensor in named_tensors:
         counter[0] += 1
-        target = dtype if tensor.is_floating_point() else tensor.dtype
-        yield name, tensor.detach().to(device=device, dtype=target)
+        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        yield name, tensor.detach().to(device=device if device is not None else tensor.device, dtype=target)
 
 
 class VLLMEngine(RolloutEngine):
@@ -221,6 +244,9 @@ class VLLMEngine(RolloutEngine):
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
         set_launcher_env()
+        self.dtype = dtype
+        # vLLM runs on cuda:LOCAL_RANK, the trainer's own device (trainer_device_index)
+        self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
         self.llm = llm_cls(
             model=model_name,
             dtype=dtype,
@@ -252,6 +278,7 @@ class VLLMEngine(RolloutEngine):
     def sampling_params(self, n: int, sampling: SamplingConfig, seed: int) -> Any:
         """vLLM sampling parameters for one prompt's ``n`` completions. ``logprobs=0`` returns only the sampled
         token's log-prob; ``detokenize=False`` because the trainer decodes the tokens itself."""
+        check_vllm_temperature(sampling.temperature)
         return self._sampling_params_cls(
             n=n,
             temperature=sampling.temperature,
@@ -287,25 +314,18 @@ class VLLMEngine(RolloutEngine):
         return [to_group(out, n) for out in outputs]
 
     # ---- weights ------------------------------------------------------------------------------------
-    def vllm_model(self) -> nn.Module:
-        """The ``nn.Module`` vLLM runs. With the external launcher the engine core lives in this process and
-        ``LLMEngine.model_executor`` is its executor (``vllm/v1/engine/llm_engine.py``), whose
-        ``driver_worker`` forwards attributes to the GPU worker (``vllm/v1/worker/worker_base.py``,
-        ``WorkerWrapperBase.__getattr__``). ``model_runner.get_model()`` rather than ``.model``: the V1
-        runner's ``.model`` may be a CUDA-graph wrapper that ``get_model`` unwraps
-        (``vllm/v1/worker/gpu_model_runner.py``); the V2 runner returns ``.model`` as is."""
-        return self.llm.llm_engine.model_executor.driver_worker.model_runner.get_model()
-
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
-        """Write the policy's full tensors (HF names) into vLLM's model, then drop the prefix cache, whose KV
-        blocks were computed with the old weights. vLLM's ``load_weights`` maps HF names onto its fused
-        layers and shards them for tensor parallelism; the tensors are streamed to it one at a time."""
+        """Write the policy's full tensors (HF names) into vLLM's model through the supported call
+        ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})``
+        (``vllm/entrypoints/llm.py``; ``vllm/v1/worker/gpu_worker.py``), which maps HF names onto vLLM's fused
+        layers and re-runs each layer's post-load processing; then drop the prefix cache, whose KV blocks were
+        computed with the old weights. With the external launcher the worker is in this process, so the
+        iterator streams the tensors one at a time, already on the engine's device and in its dtype."""
         self.wake_up()
-        model = self.vllm_model()
-        device, dtype = floating_placement(model)
         counter = [0]
-        model.load_weights(placed(named_tensors, device, dtype, counter))
+        weights = placed(named_tensors, self.device, TORCH_DTYPES.get(self.dtype), counter)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if counter[0] == 0:
             raise ValueError("weight sync delivered no tensors; the engine keeps its previous weights")
         if self.llm.reset_prefix_cache() is False:
