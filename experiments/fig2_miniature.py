@@ -173,7 +173,8 @@ def summary(results: list[dict]) -> dict[str, dict]:
         first = [r["series"]["pass@1"][0][1] for r in runs if r["series"]["pass@1"]]
         last = [r["series"]["pass@1"][-1][1] for r in runs if r["series"]["pass@1"]]
         best = [max(v for _, v in r["series"]["pass@1"]) for r in runs if r["series"]["pass@1"]]
-        syncs_by_tv = [sum(v for _, v in r["series"]["sync_by_tv"]) for r in runs]
+        # sync/by_tv is a running count: its last value is the run's total
+        syncs_by_tv = [r["series"]["sync_by_tv"][-1][1] if r["series"]["sync_by_tv"] else 0.0 for r in runs]
         out[row] = {"seeds": len(runs), "pass@1_start": statistics.fmean(first), "pass@1_end": statistics.fmean(last),
                     "pass@1_end_std": statistics.pstdev(last), "pass@1_best": statistics.fmean(best),
                     "syncs_by_tv": statistics.fmean(syncs_by_tv),
