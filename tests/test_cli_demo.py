@@ -23,7 +23,8 @@ REQUIRED_TAGS = [
 
 
 def test_smollm2_config_runs_offline_and_logs_every_metric(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", LIT_GRPO_CACHE=str(tmp_path / "cache"))
+    # the default cache: the de-quantised SmolLM2 is shared with test_cli_multiprocess (one conversion per suite)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "lit_grpo", "fit", "--config", str(ROOT / "configs" / "smollm2_gsm8k_cpu.yaml")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
