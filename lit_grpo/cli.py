@@ -105,6 +105,11 @@ class _HeldBack:
 _held_back = _HeldBack()
 
 
+def rollout_seed_of(seed_everything: object) -> int:
+    """``data.seed`` from ``seed_everything``: the integer itself, else 0."""
+    return seed_everything if isinstance(seed_everything, int) and not isinstance(seed_everything, bool) else 0
+
+
 class GRPOCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         argv = kwargs.get("args")
@@ -136,6 +141,10 @@ class GRPOCLI(LightningCLI):
         parser.link_arguments("data.max_new_tokens", "model.max_completion_length")
         for key in ("temperature", "top_p", "max_new_tokens", "system_prompt"):
             parser.link_arguments(f"data.{key}", f"eval.{key}")
+        # One seed: `seed_everything` also seeds the rollouts (prompt order and sampling), which the data module
+        # draws from its own seed so that they do not depend on the global RNG; `true` (a random seed) and
+        # `false` leave the rollouts at seed 0.
+        parser.link_arguments("seed_everything", "data.seed", compute_fn=rollout_seed_of)
 
     # ---- turning bad values into one line -------------------------------------------------------------
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001

@@ -41,3 +41,15 @@ def test_overlay_config_parses_on_the_base_and_wins(path, monkeypatch, capsys):
         for key, value in (overlay.get(section) or {}).items():
             if not isinstance(value, dict):
                 assert config[section][key] == value, (section, key)
+
+
+@pytest.mark.parametrize("extra, seed", [(["--seed_everything", "3"], 3), ([], 0), (["--seed_everything", "false"], 0)])
+def test_seed_everything_also_seeds_the_rollouts(extra, seed, monkeypatch):
+    from lit_grpo.cli import GRPOCLI
+    from lit_grpo.data.datamodule import RolloutDataModule
+    from lit_grpo.module import GRPOModule
+
+    monkeypatch.setattr(sys, "argv", ["lit_grpo"])
+    cli = GRPOCLI(GRPOModule, RolloutDataModule, run=False,
+                  args=["--config", str(CONFIGS / "demo_cpu.yaml"), "--model.model_name", "tiny-random-llama", *extra])
+    assert cli.datamodule.seed == seed
