@@ -26,7 +26,9 @@ def test_smollm2_config_runs_offline_and_logs_every_metric(tmp_path):
     # the default cache: the de-quantised SmolLM2 is shared with test_cli_multiprocess (one conversion per suite)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "lit_grpo", "fit", "--config", str(ROOT / "configs" / "smollm2_gsm8k_cpu.yaml")],
+        # half the generation budget: the suite's slowest test, and the metrics do not need 64 tokens
+        [sys.executable, "-m", "lit_grpo", "fit", "--config", str(ROOT / "configs" / "smollm2_gsm8k_cpu.yaml"),
+         "--data.max_new_tokens", "32"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
