@@ -1,4 +1,4 @@
-"""Seconds per GRPO training step: lit_grpo (Lightning) against Hugging Face TRL's ``GRPOTrainer``, on CPU.
+r"""Seconds per GRPO training step: lit_grpo (Lightning) against Hugging Face TRL's ``GRPOTrainer``, on CPU or a GPU.
 
 What it measures
 ----------------
@@ -6,7 +6,7 @@ Both sides train the same policy on the same "demo shape" and the same prompts:
 
 * SmolLM2-135M-Instruct in float32 (``--model``), a frozen reference model (KL weight beta = 0.1);
 * per step, 2 GSM8K train prompts (``--prompts``) x G = 8 completions (``--generations``), sampled at
-  temperature 1.0 with up to 64 new tokens (``--max-new-tokens``), scored by the correctness reward;
+  temperature 1.0 with up to 64 new tokens (``--max-new-tokens``), scored by the correctness reward (``--reward``);
 * one optimizer step of AdamW (lr 1e-6, constant, gradient clipping at 1.0) per rollout batch (on-policy).
 
 The prompts are the first ``warmup + steps`` batches of the prompt order our ``RolloutDataModule`` uses (seed 0),
@@ -15,9 +15,13 @@ conversational dataset, and the script checks that both sides tokenize them to t
 
 * ``ours``: a real ``lightning.Trainer.fit`` of ``GRPOModule`` + ``RolloutDataModule`` (in-process
   ``transformers`` rollout engine, ``WeightSync(every_n_batches=1)``).
-* ``trl``: ``trl.GRPOTrainer.train()`` on CPU (no vLLM, no bf16, no gradient checkpointing), with the model
-  object loaded by ``lit_grpo.models.load_model_and_tokenizer`` and a reward function that wraps
-  ``lit_grpo.data.rewards.correctness_reward``.
+* ``trl``: ``trl.GRPOTrainer.train()`` (no vLLM, no gradient checkpointing), with the model object loaded by
+  ``lit_grpo.models.load_model_and_tokenizer`` and a reward function that wraps the same reward function
+  (``lit_grpo.data.rewards.correctness_reward`` by default).
+
+Both run on ``--accelerator`` (``cpu`` by default) at ``--precision`` (``32-true`` by default): the Lightning
+Trainer gets both; TRL gets ``use_cpu=True`` on the CPU, and ``bf16=True`` for ``bf16-mixed`` or ``fp16=True``
+for ``16-mixed``. The weights stay float32 in both cases (mixed precision autocasts the computation).
 
 For every measured step (the first ``--warmup`` steps are dropped) it records:
 
@@ -32,7 +36,12 @@ For every measured step (the first ``--warmup`` steps are dropped) it records:
 * mean completion length, truncation rate and mean reward, since completions that stop early at EOS are cheaper.
 
 Each side runs in its own subprocess (the script re-invokes itself with ``--side ours|trl --worker``), so the
-peak resident memory (``ru_maxrss``) of one does not hide the other's.
+peak resident memory (``ru_maxrss``) of one does not hide the other's. The table's peak RSS is the high-water mark
+at the end of the last training step; ``peak_rss_process_mib`` in the JSON runs to the process's end, and on a GPU
+it also holds Lightning's teardown, which moves the module (policy and reference) and the optimizer state back to
+the host when ``fit`` returns (TRL leaves them on the device). On a GPU each side also records its peak
+GPU memory (``torch.cuda.max_memory_allocated``) and the device name, and every timer synchronizes the device
+before it reads the clock.
 
 How to run
 ----------
@@ -41,8 +50,20 @@ How to run
     python benchmarks/step_time.py --side ours          # one side only
     python benchmarks/step_time.py --steps 1 --warmup 0 --max-new-tokens 16   # quick smoke test
 
+On a GPU
+--------
+    python benchmarks/step_time.py --accelerator gpu --precision bf16-mixed --model /path/to/model \
+        --reward benchmarks.coin_reward:coin --prompts 8 --generations 8 --max-new-tokens 200 --micro-batch 64
+
+``--model`` takes a lit_grpo alias or a local model directory (``benchmarks/make_random_model.py`` builds a
+random-init model of a real shape), ``--reward`` a ``module:function`` import path of a reward
+``f(completion: str, answer: str, **kwargs) -> float``; ``benchmarks/coin_reward.py`` gives every group a spread
+whatever the weights, so the update always has non-zero advantages. Add ``--tf32`` to let float32 matmuls use
+TF32 (``torch.set_float32_matmul_precision("high")``) on both sides, e.g. with ``--precision 32-true``.
+
 It prints a table of medians and the ratio ours / TRL, and writes everything, per step, to
-``benchmarks/results/step_time.json``.
+``benchmarks/results/step_time.json`` on the CPU at ``32-true``, otherwise to
+``benchmarks/results/step_time_<accelerator>_<precision>[_tf32].json`` (``--output`` overrides).
 """
 
 from __future__ import annotations
@@ -65,7 +86,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "step_time.json"
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+DEFAULT_OUTPUT = RESULTS_DIR / "step_time.json"  # the CPU, 32-true run
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 RESULT_MARKER = "STEP_TIME_RESULT "
 TIMING_KEYS = ("total", "generate", "rollout", "update")
 SEED = 0
@@ -82,28 +105,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="measured training steps")
     parser.add_argument("--warmup", type=int, default=1, help="training steps run first and not measured")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="lit_grpo model alias, directory or Hub id")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="device both sides train on")
+    parser.add_argument("--precision", choices=PRECISIONS, default="32-true",
+                        help="Lightning precision; TRL gets bf16=True / fp16=True for the mixed ones")
+    parser.add_argument("--tf32", action="store_true",
+                        help="torch.set_float32_matmul_precision('high') on both sides (GPU only)")
+    parser.add_argument("--reward", default="correctness",
+                        help="reward f(completion, answer, **kwargs) -> float: 'module:function' or a lit_grpo "
+                             "built-in name")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch.set_num_threads")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="completion length budget")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--micro-batch-size", type=int, default=16, help="completions per forward/backward (ours)")
+    parser.add_argument("--micro-batch-size", "--micro-batch", type=int, default=16,
+                        help="completions per forward/backward (ours)")
     parser.add_argument("--beta", type=float, default=0.1, help="KL weight")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where to write the JSON results")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="where to write the JSON results (default: benchmarks/results/step_time.json on the "
+                             "CPU at 32-true, else step_time_<accelerator>_<precision>[_tf32].json)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # run one side in this process
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     if args.worker and args.side == "both":
         parser.error("--worker runs a single side: pass --side ours or --side trl")
+    if args.accelerator == "cpu" and args.precision == "16-mixed":
+        parser.error("--precision 16-mixed needs --accelerator gpu (float16 autocast is not supported on the CPU)")
+    if args.tf32 and args.accelerator != "gpu":
+        parser.error("--tf32 applies to --accelerator gpu only")
+    if args.output is None:
+        args.output = default_output(args)
     return args
+
+
+def default_output(args: argparse.Namespace) -> Path:
+    """``step_time.json`` for the CPU at 32-true, else a name that holds the accelerator and precision."""
+    if args.accelerator == "cpu" and args.precision == "32-true":
+        return DEFAULT_OUTPUT
+    return RESULTS_DIR / f"step_time_{args.accelerator}_{args.precision}{'_tf32' if args.tf32 else ''}.json"
 
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": args.model,
         "dtype": "float32",
+        "accelerator": args.accelerator,
+        "precision": args.precision,
+        "tf32": args.tf32,
+        "reward": args.reward,
         "prompts_per_step": args.prompts,
         "generations": args.generations,
         "max_new_tokens": args.max_new_tokens,
@@ -125,6 +176,30 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (Linux reports ``ru_maxrss`` in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+#: the high-water mark of the resident set at the end of the last training step, before either trainer tears
+#: down (Lightning's teardown moves the module and the optimizer state to the host, which TRL does not do)
+TRAINING_PEAK = {"rss_mib": 0.0}
+
+
+def on_cuda(args: argparse.Namespace) -> bool:
+    return args.accelerator == "gpu"
+
+
+def make_clock(args: argparse.Namespace) -> Callable[[], float]:
+    """``time.perf_counter``, after waiting for the GPU's queued work when on a GPU (kernels run asynchronously,
+    so without the wait a phase's time would land in whichever later phase first waits for its results)."""
+    if not on_cuda(args):
+        return time.perf_counter
+
+    import torch
+
+    def clock() -> float:
+        torch.cuda.synchronize()
+        return time.perf_counter()
+
+    return clock
 
 
 def prompt_rows(args: argparse.Namespace) -> tuple[list[int], list[dict[str, str]]]:
@@ -190,11 +265,12 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
             self.last_end = 0.0
 
         def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            self.last_end = time.perf_counter()
+            self.last_end = clock()
 
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
-            now = time.perf_counter()
+            now = clock()
+            TRAINING_PEAK["rss_mib"] = peak_rss_mib()
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             self.steps.append({
                 "total": now - self.last_end,
@@ -208,6 +284,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
             })
             self.last_end = now
 
+    clock = make_clock(args)
     L.seed_everything(SEED, verbose=False)
     indices, _ = prompt_rows(args)
     module = GRPOModule(
@@ -217,18 +294,18 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     data = RolloutDataModule(
         dataset="bundled", split="train", prompts_per_step=args.prompts, num_generations=args.generations,
         micro_batch_size=args.micro_batch_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        rewards=["correctness"], system_prompt=DEFAULT_SYSTEM_PROMPT, engine="transformers", seed=SEED,
+        rewards=[args.reward], system_prompt=DEFAULT_SYSTEM_PROMPT, engine="transformers", seed=SEED,
     )
     recorder = StepRecorder()  # after WeightSync, so each step's time includes its weight sync
     with tempfile.TemporaryDirectory() as workdir:
         trainer = L.Trainer(
-            max_steps=args.warmup + args.steps, accelerator="cpu", devices=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            max_steps=args.warmup + args.steps, accelerator=args.accelerator, devices=1, precision=args.precision,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=workdir, callbacks=[WeightSync(every_n_batches=1), recorder],
         )
-        start = time.perf_counter()
+        start = clock()
         trainer.fit(module, datamodule=data)
-        fit_seconds = time.perf_counter() - start
+        fit_seconds = clock() - start
     return {"prompt_rows": indices, "fit_seconds": fit_seconds, **summarize(recorder.steps, args.warmup)}
 
 
@@ -237,15 +314,19 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def make_trl_reward() -> Callable[..., list[float]]:
-    from lit_grpo.data.rewards import correctness_reward
+def make_trl_reward(spec: str) -> Callable[..., list[float]]:
+    """TRL's batched reward around the function ``spec`` names, resolved exactly as our data module resolves it
+    and called the same way, ``fn(completion_text, answer)``."""
+    from lit_grpo.data.rewards import resolve_reward
 
-    def correctness(prompts: list, completions: list, answer: list[str], **kwargs: Any) -> list[float]:
+    fn = resolve_reward(spec)
+
+    def reward(prompts: list, completions: list, answer: list[str], **kwargs: Any) -> list[float]:
         """TRL reward signature: conversational completions are ``[{"role": "assistant", "content": ...}]``."""
-        return [correctness_reward(c[0]["content"] if isinstance(c, list) else c, a)
-                for c, a in zip(completions, answer)]
+        return [float(fn(c[0]["content"] if isinstance(c, list) else c, a)) for c, a in zip(completions, answer)]
 
-    return correctness
+    reward.__name__ = getattr(fn, "__name__", "reward")  # TRL logs rewards/<name>/mean
+    return reward
 
 
 def run_trl(args: argparse.Namespace) -> dict[str, Any]:
@@ -256,6 +337,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
     from lit_grpo.models import load_model_and_tokenizer
 
+    clock = make_clock(args)
     indices, rows = prompt_rows(args)
     model, tokenizer = load_model_and_tokenizer(args.model, "float32")
     dataset = Dataset.from_list([{"prompt": chat_messages(r["question"]), "answer": r["answer"]} for r in rows])
@@ -277,14 +359,15 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
             self.phase = {"generate": 0.0, "generate_and_score": 0.0, "reference": 0.0}
 
         def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.last_end = time.perf_counter()
+            self.last_end = clock()
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.begin = time.perf_counter()
+            self.begin = clock()
             self.phase = dict.fromkeys(self.phase, 0.0)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            now = time.perf_counter()
+            now = clock()
+            TRAINING_PEAK["rss_mib"] = peak_rss_mib()
             rollout = self.phase["generate_and_score"] - self.phase["reference"]
             self.steps.append({
                 "total": now - self.last_end,
@@ -308,10 +391,10 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
         def wrapper(*a: Any, **kw: Any) -> Any:
             model_arg = a[0] if a else kw.get("model")
             counts = only_model is None or model_arg is only_model()
-            start = time.perf_counter()
+            start = clock() if counts else 0.0
             out = original(*a, **kw)
             if counts:
-                timer.phase[phase] += time.perf_counter() - start
+                timer.phase[phase] += clock() - start
             return out
 
         setattr(trainer, name, wrapper)
@@ -319,7 +402,8 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as workdir:
         config = GRPOConfig(
             output_dir=workdir,
-            use_cpu=True, bf16=False, fp16=False, use_vllm=False, gradient_checkpointing=False,
+            use_cpu=not on_cuda(args), bf16=args.precision == "bf16-mixed", fp16=args.precision == "16-mixed",
+            use_vllm=False, gradient_checkpointing=False,
             # one generation batch of prompts x G completions per optimizer step, trained in a single pass
             per_device_train_batch_size=args.prompts * args.generations, gradient_accumulation_steps=1,
             steps_per_generation=1, num_generations=args.generations, num_iterations=1,
@@ -336,14 +420,14 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
             model.save_pretrained(Path(workdir) / "policy")
             tokenizer.save_pretrained(Path(workdir) / "policy")
             model.config._name_or_path = str(Path(workdir) / "policy")
-        trainer = GRPOTrainer(model=model, reward_funcs=make_trl_reward(), args=config, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[timer])
+        trainer = GRPOTrainer(model=model, reward_funcs=make_trl_reward(args.reward), args=config,
+                              train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
         timed(trainer, "_generate", "generate")
         timed(trainer, "_generate_and_score_completions", "generate_and_score")
         timed(trainer, "_get_per_token_logps_and_entropies", "reference", only_model=lambda: trainer.ref_model)
-        start = time.perf_counter()
+        start = clock()
         trainer.train()
-        fit_seconds = time.perf_counter() - start
+        fit_seconds = clock() - start
 
     for i, step in enumerate(timer.steps):
         logs = timer.logs.get(i + 1, {})
@@ -364,9 +448,17 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
     result = run_ours(args) if args.side == "ours" else run_trl(args)
-    result["peak_rss_mib"] = peak_rss_mib()
+    result["peak_rss_mib"] = TRAINING_PEAK["rss_mib"]  # while training: the table's figure
+    result["peak_rss_process_mib"] = peak_rss_mib()  # to the process's end, teardown included
     result["torch_threads"] = torch.get_num_threads()
+    result["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    if on_cuda(args):
+        result["device_name"] = torch.cuda.get_device_name()
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        result["peak_gpu_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
     print(RESULT_MARKER + json.dumps(json_safe(result)), flush=True)
 
 
@@ -379,6 +471,8 @@ def worker_command(args: argparse.Namespace, side: str) -> list[str]:
         "--prompts", str(args.prompts), "--generations", str(args.generations),
         "--micro-batch-size", str(args.micro_batch_size), "--beta", repr(args.beta),
         "--temperature", repr(args.temperature), "--lr", repr(args.lr),
+        "--accelerator", args.accelerator, "--precision", args.precision, "--reward", args.reward,
+        *(["--tf32"] if args.tf32 else []),
     ]
 
 
@@ -402,7 +496,7 @@ def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {"python": platform.python_version(), "platform": platform.platform(), "cpus": str(os.cpu_count())}
-    for package in ("torch", "lightning", "transformers", "trl"):
+    for package in ("torch", "lightning", "transformers", "trl", "accelerate"):
         try:
             found[package] = version(package)
         except PackageNotFoundError:
@@ -410,24 +504,42 @@ def versions() -> dict[str, str]:
     return found
 
 
+def device_info(args: argparse.Namespace) -> dict[str, Any]:
+    """The GPU the run used (None on the CPU); exits early when ``--accelerator gpu`` finds no CUDA device."""
+    import torch
+
+    if not on_cuda(args):
+        return {"device_name": None, "cuda": None}
+    if not torch.cuda.is_available():
+        raise SystemExit("[step_time] --accelerator gpu, but torch.cuda.is_available() is False")
+    return {"device_name": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
+            "device_count": torch.cuda.device_count()}
+
+
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     """ours / TRL for each median time and the peak RSS (None where a value is missing)."""
-    ours = {**results["ours"]["median"], "peak_rss": results["ours"]["peak_rss_mib"]}
-    trl = {**results["trl"]["median"], "peak_rss": results["trl"]["peak_rss_mib"]}
+    ours = {**results["ours"]["median"], "peak_rss": results["ours"]["peak_rss_mib"],
+            "peak_gpu": results["ours"].get("peak_gpu_mib")}
+    trl = {**results["trl"]["median"], "peak_rss": results["trl"]["peak_rss_mib"],
+           "peak_gpu": results["trl"].get("peak_gpu_mib")}
     return {k: ours[k] / trl[k] if ours.get(k) is not None and trl.get(k) else None
-            for k in (*TIMING_KEYS, "peak_rss")}
+            for k in (*TIMING_KEYS, "peak_rss", "peak_gpu")}
 
 
 def cell(value: float | None, width: int, decimals: int) -> str:
     return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.{decimals}f}"
 
 
-def print_table(results: dict[str, dict[str, Any]], config: dict[str, Any]) -> None:
-    print(f"\nGRPO step time, {config['model']} fp32, {config['prompts_per_step']} prompts x "
-          f"{config['generations']} completions, <= {config['max_new_tokens']} new tokens, "
-          f"{config['threads']} threads; median of {config['steps']} steps after {config['warmup']} warm-up\n")
+def print_table(results: dict[str, dict[str, Any]], config: dict[str, Any], device: dict[str, Any]) -> None:
+    where = (f"{device['device_name']}, {config['precision']}{' + tf32' if config['tf32'] else ''}"
+             if config["accelerator"] == "gpu" else f"CPU, {config['precision']}, {config['threads']} threads")
+    print(f"\nGRPO step time, {config['model']} (float32 weights), {where}, reward {config['reward']}, "
+          f"{config['prompts_per_step']} prompts x {config['generations']} completions, "
+          f"<= {config['max_new_tokens']} new tokens, micro-batch {config['micro_batch_size']} (ours); "
+          f"median of {config['steps']} steps after {config['warmup']} warm-up\n")
+    gpu = config["accelerator"] == "gpu"
     columns = [("total s", 10), ("generate s", 12), ("rollout s", 11), ("update s", 10), ("peak RSS MiB", 14),
-               ("compl. len", 12), ("truncated", 11)]
+               *([("peak GPU MiB", 14)] if gpu else []), ("compl. len", 12), ("truncated", 11)]
     header = f"{'side':<9}" + "".join(f"{name:>{width}}" for name, width in columns)
     print(header)
     print("-" * len(header))
@@ -435,11 +547,12 @@ def print_table(results: dict[str, dict[str, Any]], config: dict[str, Any]) -> N
         m = result["median"]
         print(f"{side:<9}" + cell(m.get("total"), 10, 2) + cell(m.get("generate"), 12, 2)
               + cell(m.get("rollout"), 11, 2) + cell(m.get("update"), 10, 2) + cell(result["peak_rss_mib"], 14, 0)
+              + (cell(result.get("peak_gpu_mib"), 14, 0) if gpu else "")
               + cell(m.get("completion_length"), 12, 1) + cell(m.get("truncation_rate"), 11, 2))
     if {"ours", "trl"} <= results.keys():
         r = ratios(results)
         print(f"{'ours/trl':<9}" + cell(r["total"], 10, 2) + cell(r["generate"], 12, 2) + cell(r["rollout"], 11, 2)
-              + cell(r["update"], 10, 2) + cell(r["peak_rss"], 14, 2))
+              + cell(r["update"], 10, 2) + cell(r["peak_rss"], 14, 2) + (cell(r["peak_gpu"], 14, 2) if gpu else ""))
     if "trl" in results and not results["trl"]["prompt_tokens_match_ours"]:
         print("\nWARNING: TRL's chat-formatted prompt tokens differ from ours")
     print()
@@ -450,11 +563,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
+    device = device_info(args)
+    from lit_grpo.data.rewards import resolve_reward
+
+    try:
+        resolve_reward(args.reward)  # a wrong --reward fails here, before any model is loaded
+    except ValueError as e:
+        raise SystemExit(f"[step_time] --reward: {e}") from e
     sides = ("ours", "trl") if args.side == "both" else (args.side,)
     results = {side: run_side(args, side) for side in sides}
     config = run_config(args)
-    print_table(results, config)
-    report: dict[str, Any] = {"config": config, "versions": versions(), "sides": results}
+    print_table(results, config, device)
+    report: dict[str, Any] = {"config": config, "versions": versions(), "device": device, "sides": results}
     if len(results) == 2:
         report["ratio_ours_over_trl"] = ratios(results)
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
 from lit_grpo.checkpoints import Checkpoint, CheckpointError
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.module import GRPOModule
+from lit_grpo.precision import check_trainer_precision
 
 DEBUG_ENV = "LIT_GRPO_DEBUG"
 # values of ckpt_path that Lightning resolves itself rather than reading a path
@@ -182,6 +183,13 @@ class GRPOCLI(LightningCLI):
         if model_group in parser._action_groups:
             parser._action_groups.remove(model_group)
             parser._action_groups.append(model_group)
+        precision = self._subcommand_config().get("trainer.precision")
+        if precision is not None:
+            try:  # the trainer is built after the model: check its precision before the model loads
+                check_trainer_precision(str(precision))
+            except ValueError as err:
+                _held_back.stop(replay=False)
+                raise UsageError(str(err), self._where("trainer.precision")) from err
         try:
             super().instantiate_classes()
         except _USAGE_ERRORS as err:
@@ -209,7 +217,8 @@ class GRPOCLI(LightningCLI):
                 f"ModelParallelStrategy or FSDPStrategy can resume from (this run uses "
                 f"{type(self.trainer.strategy).__name__}); `python -m lit_grpo export` reads it anywhere", where)
         try:
-            self._checkpoint.check_fits(self.model.state_dict(), strict=self.model.strict_loading)
+            layout = getattr(self.model, "checkpoint_layout", self.model.state_dict)()  # pi_ref may not exist yet
+            self._checkpoint.check_fits(layout, strict=self.model.strict_loading)
         except CheckpointError as err:
             _held_back.stop(replay=False)
             raise UsageError(str(err), where) from err

@@ -6,7 +6,7 @@ micro-batch forward and backward, clips gradients and steps AdamW. The math live
 
 from __future__ import annotations
 
-import copy
+import math
 import random
 import time
 from typing import Any
@@ -28,9 +28,11 @@ from lit_grpo.distributed import (
 )
 from lit_grpo.math.aggregation import AGGREGATION_MODES, token_weights
 from lit_grpo.math.rec import POLICY_LOSSES, make_loss_config, red_drop_advantages
-from lit_grpo.math.tv import tv_estimate
+from lit_grpo.math.tv import logprob_gap, tv_estimate
+from lit_grpo.model_copies import frozen_copy
 from lit_grpo.models import disable_dropout, load_model_and_tokenizer
 from lit_grpo.optim import SCHEDULES, build_optimizer
+from lit_grpo.precision import check_trainer_precision, check_weights_dtype
 from lit_grpo.scoring import completion_logprobs
 
 
@@ -107,18 +109,48 @@ class GRPOModule(L.LightningModule):
         options.update({"ratio_cap": ratio_cap} if ratio_cap is not None else {})
         self.loss_config = make_loss_config(loss, **options, **(loss_options or {}))
         self.loss_fn = POLICY_LOSSES[loss]
+        check_weights_dtype(dtype, lr)
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.policy, self.tokenizer = load_model_and_tokenizer(model_name, dtype)
         disable_dropout(self.policy)
         self.policy.train()  # from_pretrained returns eval mode; with dropout off the two modes compute the same
-        self.reference = None
-        if beta > 0:
-            # frozen; left in train mode like the policy (dropout is already off) so Lightning's mode checks stay quiet
-            self.reference = copy.deepcopy(self.policy).requires_grad_(False)
+        # pi_ref is made on first use (`configure_model` under a trainer, else the first access of `reference`),
+        # so that on an accelerator it is copied straight there instead of doubling the policy on the host
+        self._modules["reference"] = None  # the property below reads it; set directly, past the property
+        self._reference_pending = beta > 0
+        self._grad_norms: list[torch.Tensor] = []
         if gradient_checkpointing:
-            # after the reference copy: a no-grad model has nothing to recompute and would only lose its KV cache
+            # the reference copy is a plain copy: it never recomputes (no grad) and keeps its KV cache
             self.policy.gradient_checkpointing_enable()
+
+    # ---- the frozen reference pi_ref ----------------------------------------------------------------
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        """pi_ref: a frozen copy of the policy (``None`` when beta = 0), made on first access."""
+        if self._reference_pending:
+            self._build_reference(next(self.policy.parameters()).device)
+        return self._modules["reference"]
+
+    def _build_reference(self, device: torch.device) -> None:
+        reference = frozen_copy(self.policy, device)
+        if hasattr(reference, "gradient_checkpointing_disable"):
+            reference.gradient_checkpointing_disable()  # a no-grad model has nothing to recompute
+        # left in train mode like the policy (dropout is off), so Lightning's mode checks stay quiet
+        self._reference_pending = False
+        self._modules["reference"] = reference
+
+    def checkpoint_layout(self) -> dict[str, torch.Tensor]:
+        """The state dict a checkpoint of this module holds, also before pi_ref exists (it mirrors the policy)."""
+        state = self.state_dict()
+        if self._reference_pending:
+            state.update({"reference." + k.removeprefix("policy."): v for k, v in list(state.items())
+                          if k.startswith("policy.")})
+        return state
+
+    def setup(self, stage: str) -> None:
+        precision = str(getattr(self.trainer, "precision", "32-true"))
+        check_trainer_precision(precision)
 
     # ---- parallelism --------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -130,6 +162,13 @@ class GRPOModule(L.LightningModule):
             return  # no trainer, or already sharded by an earlier fit
         from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
+        if self._reference_pending:
+            if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):
+                self._build_reference(torch.device("cpu"))  # sharded below, like the policy
+            else:
+                # one process or DDP: move the policy now and copy it there, so the host never holds two copies
+                self.policy.to(strategy.root_device)
+                self._build_reference(strategy.root_device)
         if isinstance(strategy, ModelParallelStrategy):
             mesh = strategy.device_mesh
             if mesh["tensor_parallel"].size() > 1:
@@ -158,6 +197,14 @@ class GRPOModule(L.LightningModule):
             hp.lr_schedule,
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clip the global gradient norm. Lightning's precision plugin calls this hook inside ``optimizer.step()``,
+        after a 16-mixed loss scale has been divided out, so the norm is the true one (clipping in
+        ``training_step`` would see gradients still multiplied by the scale, 65,536 at first). The norm before
+        clipping (``inf`` on a step the scaler will skip) is the same number on every rank."""
+        max_norm = self.hparams.gradient_clip_val or float("inf")  # None or 0: measure only
+        self._grad_norms.append(clip_grad_norm(self.policy, max_norm).detach())
 
     def red_drop(self, batch: RolloutBatch) -> torch.Tensor:
         """RED-Drop shapes the data: recompute the advantages on a balanced subset of each group and drop the
@@ -219,15 +266,17 @@ class GRPOModule(L.LightningModule):
                 # Theorem 1 monitor: TV(pi_k, alpha) at the first iteration, TV(pi, alpha) at the last one
                 if iteration == 0:
                     tv = tv_estimate(pik_logps[j], alpha_logp, mb.completion_mask)
-                    stats.update(tv_pik_alpha_sum=tv.sum, tv_tokens=tv.count)
+                    gap = logprob_gap(pik_logps[j], alpha_logp, mb.completion_mask)
+                    stats.update(tv_pik_alpha_sum=tv.sum, tv_tokens=tv.count, logp_gap_sum=gap.sum)
                 if iteration == hp.iterations_per_batch - 1 and not hp.monitor_tv_after_update:
                     stats["tv_pi_alpha_sum"] = tv_estimate(logp, alpha_logp, mb.completion_mask).sum
                 self.manual_backward(loss * world if world > 1 else loss)
                 loss_total += loss.detach().double().cpu()
                 merge_stats(totals, stats)
-            # the global norm before clipping (inf: measure only); the same number on every rank
-            grad_norms.append(float(clip_grad_norm(self.policy, hp.gradient_clip_val or float("inf"))))
+            # clipping happens in `on_before_optimizer_step`, which the precision plugin calls after unscaling
+            self._grad_norms = []
             optimizer.step()
+            grad_norms.extend(self._grad_norms)
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             iteration_stats.append(totals)
@@ -298,11 +347,15 @@ class GRPOModule(L.LightningModule):
             "train/update_seconds": update_seconds,
             "train/update_tokens_per_second": tokens * n_it / max(update_seconds, 1e-9),
             "train/lr": float(self.lr_schedulers().get_last_lr()[0]),
-            "train/grad_norm": sum(grad_norms) / len(grad_norms),
+            **grad_norm_metrics(grad_norms),
             # Theorem 1: the two TV terms, per sampled token (sigma_alpha is rollout/reward_std)
             "tv/pik_alpha": float(g["it0/tv_pik_alpha_sum"]) / max(float(g["it0/tv_tokens"]), 1.0),
             "tv/pi_alpha": float(g[f"it{n_it - 1}/tv_pi_alpha_sum"]) / max(float(g["it0/tv_tokens"]), 1.0),
         }
+        if staleness == 0:
+            # trainer-sampler mismatch: alpha should be pi_k when the engine holds the policy's weights; what is left
+            # is the engines' numerics (vLLM's kernels, another precision), or weights that did not arrive
+            metrics["train/logp_gap_synced"] = float(g["it0/logp_gap_sum"]) / max(float(g["it0/tv_tokens"]), 1.0)
         for key, value in g.items():
             if key.startswith("rollout/"):
                 metrics[key.removesuffix("_max")] = float(value)
@@ -369,3 +422,13 @@ def merge_stats(into: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -
             into[key] = torch.maximum(into[key], value)
         else:
             into[key] = into[key] + value
+
+
+def grad_norm_metrics(norms: list[torch.Tensor]) -> dict[str, float]:
+    """``train/grad_norm``: the mean over the step's optimizer steps of the global norm before clipping, over the
+    finite ones (a 16-mixed step whose gradients overflowed is skipped by the scaler, and counted apart)."""
+    values = [float(n) for n in norms]  # one host sync per optimizer step, after the step
+    finite = [v for v in values if math.isfinite(v)]
+    metrics = {"train/grad_norm": sum(finite) / len(finite) if finite else float("nan")}
+    metrics["train/nonfinite_grad_steps"] = float(len(values) - len(finite))
+    return metrics

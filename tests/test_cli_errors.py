@@ -65,6 +65,11 @@ IN_PROCESS = {
     "reward_spec": (["--data.rewards", "[toy_rewards:no_such_function]"], False,
                     ["no_such_function", "(data.rewards, on the command line)"]),
     "missing_model_name": ([], False, ["required", "model.model_name"]),
+    # 16-bit weights stop learning at RL learning rates: refused with the fix named, before the model loads
+    "bf16_true": (["--trainer.precision", "bf16-true"], False,
+                  ["'bf16-true'", "use precision bf16-mixed", "(trainer.precision, on the command line)"]),
+    "bf16_weights": (["--model.dtype", "bfloat16"], False,
+                     ["'bfloat16'", "bf16-mixed", "(model.dtype, on the command line)"]),
     "truncated_ckpt": (["--ckpt_path", "{root}/truncated.ckpt"], False,
                        ["{root}/truncated.ckpt", "truncated", "(ckpt_path, on the command line)"]),
     "not_a_checkpoint": (["--ckpt_path", "{root}/bad.yaml"], False,

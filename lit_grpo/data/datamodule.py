@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,9 +135,10 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"max_prompts must be >= 1 or None, got {max_prompts}")
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         if engine == "vllm" or (engine == "server" and (engine_options or {}).get("kind") == "vllm"):
-            from lit_grpo.engines.vllm_engine import check_vllm_temperature  # imports no vllm
+            from lit_grpo.engines.vllm_engine import check_vllm_temperature, check_vllm_top_p  # imports no vllm
 
             check_vllm_temperature(temperature)
+            check_vllm_top_p(top_p)
         specs = list(rewards) if rewards else ["correctness"]
         if reward_weights is not None and len(reward_weights) != len(specs):
             raise ValueError(f"reward_weights has {len(reward_weights)} entries for {len(specs)} rewards {specs}")
@@ -230,6 +232,16 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"checkpoint was written with data seed {state_dict['seed']}, this run uses {self.seed}")
 
     # ---- rollouts -----------------------------------------------------------------------------------
+    def precision_context(self) -> AbstractContextManager:
+        """The trainer's forward precision (autocast under ``bf16-mixed`` / ``16-mixed``), the one its
+        ``training_step`` runs in. An in-process engine samples and scores in it, so that alpha and pi are the same
+        function of the same weights: equal weights give equal log-probs, and a lagging step's ratio measures the
+        lag, not a precision gap. Engines in other processes (server, vLLM) compute alpha in their own precision."""
+        trainer = self.trainer
+        if trainer is None or self.engine_kind != "transformers":
+            return nullcontext()
+        return trainer.precision_plugin.forward_context()
+
     def prompt_ids(self, row: int) -> list[int]:
         if row not in self._prompt_cache:
             self._prompt_cache[row] = prompt_ids(self.tokenizer, self.rows[row]["question"], self.system_prompt)
@@ -254,7 +266,8 @@ class RolloutDataModule(L.LightningDataModule):
         prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
         start = time.perf_counter()
         seed = rollout_seed(self.seed, prompt_batch.batch_index, prompt_batch.rank)
-        groups = engine.generate(prompts, self.num_generations, self.sampling, seed=seed)
+        with self.precision_context():
+            groups = engine.generate(prompts, self.num_generations, self.sampling, seed=seed)
         generate_seconds = time.perf_counter() - start
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
         answers = [self.rows[r]["answer"] for r in prompt_batch.rows for _ in range(self.num_generations)]
@@ -265,7 +278,8 @@ class RolloutDataModule(L.LightningDataModule):
             prompts, groups, scored.rewards, self.tokenizer.pad_token_id, self.micro_batch_size,
             self.advantage_eps, self.scale_rewards, device,
         )
-        batch.alpha_logp = self.alpha_logprobs(batch)
+        with self.precision_context():
+            batch.alpha_logp = self.alpha_logprobs(batch)
         batch.batch_index = prompt_batch.batch_index
         batch.rollout_step = engine.synced_step
         batch.stats = rollout_stats(batch)

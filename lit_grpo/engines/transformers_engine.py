@@ -3,7 +3,6 @@ seeded sampling with a KV cache, one prompt prefill shared by the prompt's n com
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
 from lit_grpo.math.logprobs import selective_log_softmax
+from lit_grpo.model_copies import materialize, skeleton_copy
 from lit_grpo.scoring import completion_logprobs, positions_from_mask
 
 
@@ -37,8 +37,14 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class TransformersEngine(RolloutEngine):
-    """Rollouts from a transformers model. With ``copy_weights=True`` (rollouts) it deep-copies the model, so
-    its weights stay those of the last sync; with ``False`` (evaluation) it samples from the model itself."""
+    """Rollouts from a transformers model. With ``copy_weights=True`` (rollouts) it keeps its own copy of the
+    model, so its weights stay those of the last sync; with ``False`` (evaluation) it samples from the model itself.
+
+    The private copy is made on first use (the first ``load_weights``, which ``WeightSync`` makes at the start of
+    training, or the first ``generate``), on the device the model is on by then: a GPU run never holds a second
+    full copy on the host. Until then the engine keeps a parameter-less skeleton. If the model is sharded (FSDP)
+    by then, the copy's values come from the first ``load_weights``.
+    """
 
     def __init__(
         self,
@@ -48,18 +54,39 @@ class TransformersEngine(RolloutEngine):
         copy_weights: bool = True,
         rescore: bool = True,
     ) -> None:
-        self.model = copy.deepcopy(model) if copy_weights else model
         self.owns_weights = copy_weights
-        if copy_weights:
-            # a private copy; a borrowed model keeps its mode (generate switches to eval and back)
-            self.model.requires_grad_(False)
-            self.model.eval()
+        self._model: nn.Module | None = None if copy_weights else model
+        # a private copy is made lazily from the source (see the class docstring); a borrowed model keeps its mode
+        self._source: nn.Module | None = model if copy_weights else None
+        self._skeleton: nn.Module | None = skeleton_copy(model).eval() if copy_weights else None
+        self._filled = not copy_weights
         self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
         if not self.eos_token_ids:
             raise ValueError("the engine needs at least one end-of-sequence token id")
         self.pad_token_id = int(pad_token_id)
         self.rescore = rescore
         self.synced_step = 0
+
+    @property
+    def model(self) -> nn.Module:
+        """The model the engine samples from (its private copy is made here on first access)."""
+        if self._model is None:
+            self._model = self._make_copy()
+        return self._model
+
+    def _make_copy(self) -> nn.Module:
+        source, skeleton = self._source, self._skeleton
+        self._source = self._skeleton = None  # the engine must not keep the source's old tensors alive
+        device = next(source.parameters()).device  # a DTensor reports its local device
+        model = materialize(skeleton, device)
+        if not _is_sharded(source):
+            with torch.no_grad():
+                for (name, mine), (src_name, theirs) in zip(model.named_parameters(), source.named_parameters()):
+                    if name != src_name:
+                        raise RuntimeError(f"rollout copy out of step with its source: {name} vs {src_name}")
+                    mine.copy_(theirs.detach())
+            self._filled = True
+        return model
 
     @property
     def device(self) -> torch.device:
@@ -90,6 +117,10 @@ class TransformersEngine(RolloutEngine):
     ) -> list[list[Completion]]:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        self.model  # noqa: B018 (makes the private copy on first use)
+        if not self._filled:
+            raise RuntimeError("the rollout engine holds no weights yet: its source model was sharded when the copy "
+                               "was made, so load_weights must come first (WeightSync does at the start of training)")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         self.model.eval()
@@ -157,6 +188,7 @@ class TransformersEngine(RolloutEngine):
         missing = set(dict(self.model.named_parameters())) - seen
         if missing:
             raise KeyError(f"weight sync left {len(missing)} parameters untouched, e.g. {sorted(missing)[:3]}")
+        self._filled = True
         self.synced_step = int(step)
 
     @torch.inference_mode()
@@ -171,3 +203,10 @@ class TransformersEngine(RolloutEngine):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.named_parameters()}
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    """FSDP2 (DTensor parameters) or FSDP1 (a wrapper whose parameters are flat shards)."""
+    from lit_grpo.distributed import is_fsdp1
+
+    return is_fsdp1(model) or any(hasattr(p, "full_tensor") for p in model.parameters())

@@ -114,6 +114,15 @@ def check_vllm_temperature(temperature: float) -> None:
                          f"(it raises lower values to {low} and rejects higher ones); choose a temperature in it")
 
 
+def check_vllm_top_p(top_p: float) -> None:
+    """Reject nucleus sampling with vLLM: its log-probs are then renormalised over the nucleus, while pi's in the
+    ratio pi/alpha are over the whole vocabulary, so the ratio would be biased upwards on every token (by the
+    nucleus's missing mass) even with identical weights."""
+    if top_p != 1.0:
+        raise ValueError(f"top_p {top_p!r} < 1 with vLLM makes alpha's log-probs nucleus-renormalised while pi's are "
+                         "over the whole vocabulary, which biases the importance ratio; use top_p 1.0")
+
+
 def tokenizer_stop_ids(tokenizer: Any) -> list[int]:
     """End-of-sequence ids of the trainer's tokenizer object. vLLM already stops at its own tokenizer's EOS and
     at the ``eos_token_id`` entries of the model's generation config; passing the trainer's as well makes both

@@ -56,6 +56,33 @@ def tv_estimate(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) 
         return TVEstimate(tv_from_sum_count(total, count), total, count)
 
 
+class SumCount(NamedTuple):
+    """A mean over tokens in parts, ``sum / count``, to add over micro-batches and ranks before dividing."""
+
+    sum: torch.Tensor
+    count: torch.Tensor
+
+
+def logprob_gap(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) -> SumCount:
+    """Sum and count of ``|logp_a - logp_b|`` over the tokens of ``mask``: the trainer-sampler mismatch when
+    ``logp_a`` is pi_k (the trainer's first forward) and ``logp_b`` alpha (the engine's log-probs) at a step where
+    the engine holds the policy's weights.
+
+    Why: there the paper's alpha is pi_k, so eq. 6's ratio pi/alpha starts at exactly 1 in exact arithmetic; any
+    gap is the two engines' numerics (another precision, vLLM's kernels) or weights that did not arrive (the
+    check that caught silently unsynced weights in TRL issue 5312). Float64; no gradient.
+    """
+    if logp_a.shape != logp_b.shape or logp_a.shape != mask.shape:
+        raise ValueError(
+            f"logp_a, logp_b and mask must have the same shape, got {tuple(logp_a.shape)}, "
+            f"{tuple(logp_b.shape)}, {tuple(mask.shape)}"
+        )
+    with torch.no_grad():
+        m = mask.bool()
+        gap = (logp_a.detach().to(torch.float64) - logp_b.detach().to(torch.float64)).abs()
+        return SumCount(gap[m].sum(), m.sum().to(torch.float64))
+
+
 def group_reward_std(rewards: torch.Tensor) -> torch.Tensor:
     """Mean over groups of the population std of the G rewards: the plug-in estimate of
     ``E_x sigma_{alpha,r}(x)`` in Theorem 1 (no eps; add it inside the root for ``sigma_{alpha,r,eps}``).
