@@ -157,3 +157,29 @@ def test_export_of_a_gpu_checkpoint(tmp_path, capsys):
     ids = torch.tensor([module.tokenizer.encode("What is 12 * 7?\n#### 84")])
     with torch.no_grad():
         assert torch.allclose(exported(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_compiled_static_decoding_on_cuda_matches_the_dynamic_path():
+    """On CUDA the engine's default path is the static cache with a compiled decode step. Where sampling is
+    deterministic (a nucleus holding only the most likely token) it gives the dynamic path's tokens, and the
+    log-probs it reports are the teacher-forced ones."""
+    from lit_grpo.data.prompts import eos_token_ids
+    from lit_grpo.engines.base import SamplingConfig
+    from lit_grpo.engines.transformers_engine import TransformersEngine
+    from lit_grpo.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-random-llama")
+    model = model.cuda()
+    prompts = [tokenizer.encode(t) for t in ("What is 2+2?", "Name a prime number.", "12*3=")]
+    eos = eos_token_ids(tokenizer, model)
+    compiled = TransformersEngine(model, eos, tokenizer.pad_token_id)
+    assert compiled.uses_static_decoding()
+    dynamic = TransformersEngine(model, eos, tokenizer.pad_token_id, compile=False)
+    assert not dynamic.uses_static_decoding()
+    greedy = SamplingConfig(max_new_tokens=24, temperature=1.0, top_p=1e-6)
+    got = compiled.generate(prompts, 4, greedy, seed=0)
+    want = dynamic.generate(prompts, 4, greedy, seed=0)
+    assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want]
+    sampled = compiled.generate(prompts, 4, SamplingConfig(max_new_tokens=24, temperature=1.0), seed=1)
+    assert len({tuple(c.token_ids) for g in sampled for c in g}) > 1
+    assert compiled.static_decoder.seen_shapes  # the compile time was measured (and logged)

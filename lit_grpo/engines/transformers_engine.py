@@ -3,15 +3,27 @@ seeded sampling with a KV cache, one prompt prefill shared by the prompt's n com
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
+from lit_grpo.engines.static_decoding import StaticDecoder
 from lit_grpo.math.logprobs import selective_log_softmax
 from lit_grpo.model_copies import materialize, skeleton_copy
 from lit_grpo.scoring import completion_logprobs, positions_from_mask
+
+log = logging.getLogger(__name__)
+DECODE_MODES = ("auto", "static", "dynamic")
+
+
+def _check_request(prompts: list[list[int]], n: int) -> None:
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +52,14 @@ class TransformersEngine(RolloutEngine):
     """Rollouts from a transformers model. With ``copy_weights=True`` (rollouts) it keeps its own copy of the
     model, so its weights stay those of the last sync; with ``False`` (evaluation) it samples from the model itself.
 
+    Decoding (``decode``): ``"dynamic"`` grows a KV cache token by token in eager PyTorch, with the prompt prefilled
+    once for its n completions and the sampling drawn from an explicit seeded generator. ``"static"`` samples
+    through transformers' ``generate`` with a fixed-shape cache, compiled into CUDA graphs on a GPU when
+    ``compile`` (see :mod:`lit_grpo.engines.static_decoding`: same distribution, another random stream).
+    ``"auto"`` (default) takes ``"static"`` on CUDA with ``compile`` on, else ``"dynamic"``; ``compile: false``
+    therefore turns the compiled path off. Decoding that must stay in lockstep across ranks (a sharded model
+    sampled for evaluation) always takes the dynamic path.
+
     The private copy is made on first use (the first ``load_weights``, which ``WeightSync`` makes at the start of
     training, or the first ``generate``), on the device the model is on by then: a GPU run never holds a second
     full copy on the host. Until then the engine keeps a parameter-less skeleton. If the model is sharded (FSDP)
@@ -53,7 +73,14 @@ class TransformersEngine(RolloutEngine):
         pad_token_id: int,
         copy_weights: bool = True,
         rescore: bool = True,
+        decode: str = "auto",
+        compile: bool = True,
+        width_multiple: int = 64,
     ) -> None:
+        if decode not in DECODE_MODES:
+            raise ValueError(f"unknown decode {decode!r}; expected one of {DECODE_MODES}")
+        self.decode = decode
+        self.static_decoder = StaticDecoder(compile=compile, width_multiple=width_multiple)
         self.owns_weights = copy_weights
         self._model: nn.Module | None = None if copy_weights else model
         # a private copy is made lazily from the source (see the class docstring); a borrowed model keeps its mode
@@ -104,25 +131,43 @@ class TransformersEngine(RolloutEngine):
         that every rank runs the same number of forwards (each one is a collective). Default: this process."""
         # A borrowed model may be sharded (FSDP2): its all-gather buffers are reused by training afterwards, and
         # inference tensors could not be written there again, so plain no_grad for it.
+        self.model  # noqa: B018 (makes the private copy on first use)
+        if not self._filled:
+            raise RuntimeError("the rollout engine holds no weights yet: its source model was sharded when the copy "
+                               "was made, so load_weights must come first (WeightSync does at the start of training)")
         was_training = self.model.training
         try:
             with torch.inference_mode() if self.owns_weights else torch.no_grad():
+                if all_finished is None and self.uses_static_decoding():
+                    return self._generate_static(prompts, n, sampling, seed)
                 return self._generate(prompts, n, sampling, seed, all_finished)
         finally:
             self.model.train(was_training)  # the caller's mode, also when sampling fails
+
+    def uses_static_decoding(self) -> bool:
+        if self.decode == "auto":
+            return self.static_decoder.compile and self.device.type == "cuda"
+        return self.decode == "static"
+
+    def _generate_static(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
+                         seed: int) -> list[list[Completion]]:
+        _check_request(prompts, n)
+        self.model.eval()
+        tokens, logps, ended = self.static_decoder(
+            self.model, prompts, n, sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed,
+            self.eos_token_ids, self.pad_token_id)
+        if self.static_decoder.last_first_call_seconds is not None:
+            log.info("static-cache decoding: first call for %d rows x %d new tokens took %.1f s (compilation%s)",
+                     len(tokens), sampling.max_new_tokens, self.static_decoder.last_first_call_seconds,
+                     " included" if self.static_decoder.compile and self.device.type == "cuda" else " off")
+        return [[Completion(tokens[p * n + j], logps[p * n + j], truncated=not ended[p * n + j]) for j in range(n)]
+                for p in range(len(prompts))]
 
     def _generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int,
         all_finished: Callable[[bool], bool] | None,
     ) -> list[list[Completion]]:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        self.model  # noqa: B018 (makes the private copy on first use)
-        if not self._filled:
-            raise RuntimeError("the rollout engine holds no weights yet: its source model was sharded when the copy "
-                               "was made, so load_weights must come first (WeightSync does at the start of training)")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        _check_request(prompts, n)
         self.model.eval()
         device = self.device
         generator = torch.Generator(device=device).manual_seed(int(seed))
