@@ -95,3 +95,16 @@ def test_padding_and_eos_helpers_by_hand():
     tokens = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8], [2, 9, 2, 0]])
     lengths, ended = cut_at_eos(tokens, [2])
     assert lengths.tolist() == [2, 4, 1] and ended.tolist() == [True, False, True]
+
+
+def test_static_path_runs_under_the_trainers_autocast(tiny):
+    """Under bf16-mixed the rollout runs inside the trainer's autocast; transformers' static cache cannot hold the
+    float32 keys and bfloat16 values Llama produces there, so the path samples in float32 (its log-probs are the
+    float32 teacher-forced ones) instead of failing."""
+    model, tokenizer, prompts = tiny
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    plain = engine(tiny, "static").generate(prompts, 2, sampling, seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = engine(tiny, "static").generate(prompts, 2, sampling, seed=4)
+    assert [[c.token_ids for c in g] for g in mixed] == [[c.token_ids for c in g] for g in plain]
+    assert [[c.logprobs for c in g] for g in mixed] == [[c.logprobs for c in g] for g in plain]

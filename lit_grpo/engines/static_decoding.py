@@ -14,6 +14,13 @@ draw from the same distribution; and the prompt is prefilled once per completion
 (one forward, small next to the decoding). The reported log-probs come from one teacher-forced forward over the
 sampled tokens, exactly the quantity the trainer computes.
 
+Precision: this path samples in the engine's own dtype (float32) even under ``bf16-mixed``: with autocast on,
+Llama-family models produce float32 keys (RoPE runs in float32) next to bfloat16 values, and transformers' static
+cache stores both in one dtype. So the tokens are drawn from the float32 distribution of the engine's weights,
+while alpha in the loss is the engine's re-scoring in the trainer's precision (or pi_k's own log-probs at a synced
+step): the same small trainer-sampler gap a vLLM sampler has, and none in the ratio itself. The dynamic path
+samples under the trainer's autocast.
+
 Shapes are padded to a few values (prompt width rounded up to ``width_multiple``) so that a new batch recompiles
 only when its prompts are longer than any before.
 """
@@ -111,7 +118,10 @@ class StaticDecoder:
                                  self.compile and device.type == "cuda")
         shape = (len(rows), width, max_new_tokens)
         start = time.perf_counter()
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        # float32, outside any autocast: under autocast Llama-family keys leave RoPE in float32 while values stay
+        # 16-bit, and transformers' static cache holds one dtype for both (see the module docstring)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                torch.autocast(device.type, enabled=False):
             torch.manual_seed(int(seed) % 2**63)
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         completion = out[:, width:]
@@ -121,7 +131,8 @@ class StaticDecoder:
         positions = torch.arange(completion.shape[1], device=device)
         completion_mask = (positions.unsqueeze(0) < lengths.unsqueeze(1)).long()
         completion = torch.where(completion_mask.bool(), completion, torch.full_like(completion, pad_token_id))
-        logps = teacher_forced_logprobs(model, ids, mask, completion, completion_mask, temperature)
+        with torch.autocast(device.type, enabled=False):  # the distribution the tokens were drawn from
+            logps = teacher_forced_logprobs(model, ids, mask, completion, completion_mask, temperature)
         if shape not in self.seen_shapes:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
