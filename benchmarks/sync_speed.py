@@ -2,16 +2,19 @@
 
 The job: SmolLM2-135M-Instruct in float32 (0.54 GB of parameters) sharded with FSDP2 (``fully_shard`` per decoder
 layer, as the trainer does) over 2 CPU processes on gloo; rank 0 pushes it to ``python -m lit_grpo serve`` on
-127.0.0.1 with ``ServerEngine.load_weights`` (a whole sync: the per-parameter FSDP gathers on both ranks, the cast,
-64 MB buckets packed and broadcast over the server's own gloo group, the server's staging and swap, the version
-round trip). The reference is ``TransformersEngine.load_weights`` in one process (a ``copy_`` of every parameter
-into the engine's private copy), the in-process engine's sync.
+127.0.0.1 with ``ServerEngine.load_weights`` given ``full_named_parameters(model)``, as ``WeightSync`` does (a
+whole sync: the gather to rank 0, ``rank0_buckets``, where rank 1 sends its shards point to point one 64 MB bucket
+at a time, the cast, each bucket broadcast over the server's own gloo group, the server's staging and swap, the
+version round trip). The reference is ``TransformersEngine.load_weights`` in one process (a ``copy_`` of every
+parameter into the engine's private copy), the in-process engine's sync.
 
 Rank 0 reports where a sync's time goes (``ServerEngine.last_push``): ``begin`` (weight_info, pause, start),
-``gather`` (iterating the FSDP parameters: the all-gathers and casts), ``send`` (packing a bucket, announcing it,
-broadcasting it and waiting for the server to take it) and ``finish`` (the server's swap, the version, resume).
-A separate pass times the gathers alone (no server), and the server's weights are checked against the gathered
-policy (SHA-256 of every parameter) after the last sync.
+``gather`` (the gather to rank 0 and the casts), ``send`` (packing a bucket, a view when it already lies back to
+back, announcing it, broadcasting it and waiting for the server to take it) and ``finish`` (the server's swap, the
+version, resume). Separate passes time the gathers alone (no server): the gather to rank 0, and the
+per-parameter ``full_tensor()`` all-gathers of every rank that the push used before (what ``WeightSync`` still
+runs for an in-process engine). The server's weights are checked against the gathered policy (SHA-256 of every
+parameter) after the last sync.
 
     python benchmarks/sync_speed.py                      # 1 warm-up + 5 measured syncs
     python benchmarks/sync_speed.py --model tiny-random-llama --syncs 2     # smoke test
@@ -78,7 +81,7 @@ def rank_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lit_grpo.distributed import full_named_parameters, fully_shard_model
+    from lit_grpo.distributed import GatherBuffer, full_named_parameters, fully_shard_model, rank0_buckets
     from lit_grpo.engines.server_engine import ServerEngine
     from lit_grpo.models import load_model_and_tokenizer
     from lit_grpo.weight_transfer import checksum
@@ -90,12 +93,19 @@ def rank_worker(args: argparse.Namespace) -> None:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     fully_shard_model(model, init_device_mesh("cpu", (dist.get_world_size(),)))
     engine = ServerEngine(url=args.url, bucket_mb=args.bucket_mb, timeout_s=300)
-    syncs, gathers = [], []
+    syncs, gathers, rank0_gathers = [], [], []
+    buffer = GatherBuffer()
+    bucket_bytes = int(args.bucket_mb * 2**20)
     for step in range(args.warmup + args.syncs):
         dist.barrier()
         start = time.perf_counter()
         engine.load_weights(full_named_parameters(model), step)
         syncs.append({"seconds": time.perf_counter() - start, **engine.last_push})
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in rank0_buckets(model, bucket_bytes, buffer):
+            pass
+        rank0_gathers.append(time.perf_counter() - start)
         dist.barrier()
         start = time.perf_counter()
         for _ in full_named_parameters(model):
@@ -106,6 +116,7 @@ def rank_worker(args: argparse.Namespace) -> None:
         exact = all(s == full for s in engine.weight_checksums().values())
         Path(args.result).write_text(json.dumps({
             "bytes": nbytes, "syncs": syncs[args.warmup:], "gather_only_seconds": gathers[args.warmup:],
+            "rank0_gather_only_seconds": rank0_gathers[args.warmup:],
             "server_equals_policy": exact, "server_version": engine.weight_versions(),
         }))
     dist.destroy_process_group()
@@ -166,12 +177,17 @@ def main() -> None:
     copy_s = med(inproc["seconds"])
     parts = {k: med(s[k] for s in ranks["syncs"]) for k in ("begin_s", "gather_s", "send_s", "finish_s")}
     gather_only = med(ranks["gather_only_seconds"])
+    rank0_only = med(ranks["rank0_gather_only_seconds"])
+    spread = [s["seconds"] for s in ranks["syncs"]]
     report = {
         "model": args.model, "gigabytes": gb, "bucket_mb": args.bucket_mb, "threads_per_process": args.threads,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "in_process_copy": {"seconds": copy_s, "gb_per_s": gb / copy_s, "all": inproc["seconds"]},
         "server_sync": {"seconds": sync_s, "gb_per_s": gb / sync_s, "parts_s": parts,
-                        "gather_only_s": gather_only, "all": ranks["syncs"]},
+                        "min_max_s": [min(spread), max(spread)], "rank0_gather_only_s": rank0_only,
+                        "full_tensor_gather_only_s": gather_only, "all": ranks["syncs"],
+                        "rank0_gather_only_all": ranks["rank0_gather_only_seconds"],
+                        "full_tensor_gather_only_all": ranks["gather_only_seconds"]},
         "server_equals_policy": ranks["server_equals_policy"], "server_version": ranks["server_version"],
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -181,9 +197,12 @@ def main() -> None:
     print("| sync | seconds | GB/s |\n|---|---|---|")
     print(f"| in-process copy (TransformersEngine.load_weights) | {copy_s:.3f} | {gb / copy_s:.2f} |")
     print(f"| 2 FSDP2 ranks -> rollout server, whole sync | {sync_s:.3f} | {gb / sync_s:.2f} |")
+    print(f"|   fastest / slowest sync | {min(spread):.3f} / {max(spread):.3f} | "
+          f"{gb / min(spread):.2f} / {gb / max(spread):.2f} |")
     for key, value in parts.items():
         print(f"|   rank 0: {key[:-2]} | {value:.3f} | |")
-    print(f"| FSDP2 gathers alone (no server) | {gather_only:.3f} | {gb / gather_only:.2f} |")
+    print(f"| gather to rank 0 alone (rank0_buckets, no server) | {rank0_only:.3f} | {gb / rank0_only:.2f} |")
+    print(f"| full_tensor() gathers alone on every rank (no server) | {gather_only:.3f} | {gb / gather_only:.2f} |")
     print(f"server weights equal the gathered policy: {ranks['server_equals_policy']}")
 
 

@@ -11,14 +11,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
-import torch
 from torch import nn
 
-from lit_grpo.distributed import full_named_parameters
+from lit_grpo.distributed import FullParameters, full_named_parameters
 
 
 def policy_of(pl_module: L.LightningModule) -> nn.Module:
@@ -39,8 +37,12 @@ def engine_of(trainer: L.Trainer, pl_module: L.LightningModule, explicit: Any = 
     )
 
 
-def full_named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def full_named_tensors(module: nn.Module) -> FullParameters:
     """Full (unsharded) parameters by their model names. Sharded (FSDP2 DTensor) parameters are gathered one at a
     time and FSDP1 modules inside ``summon_full_params``, which every rank must do together; plain modules hand out
-    their tensors without a copy. Wrapper prefixes (``_fsdp_wrapped_module.`` ...) are stripped."""
-    yield from full_named_parameters(module)
+    their tensors without a copy. Wrapper prefixes (``_fsdp_wrapped_module.`` ...) are stripped.
+
+    The iterator names its module (``FullParameters.module``): an engine that gathers more cheaply may use the
+    module instead of iterating (the rollout server's push gathers FSDP2 shards to rank 0 only,
+    ``lit_grpo.distributed.rank0_buckets``). Nothing is gathered until the first item is asked for."""
+    return full_named_parameters(module)

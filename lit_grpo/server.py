@@ -223,6 +223,7 @@ class RolloutServer:
         self.store = None
         self.backend = "gloo"
         self.packed = True
+        self.transfer_timeout_s = 300.0  # the group's timeout, from /init_weight_transfer_engine
         self.staging: dict[str, Any] | None = None
         self.receiving = False  # inside a bucket's broadcast
         # Receive buffers kept across pushes (CPU only: fresh memory costs page faults as slow as the transfer;
@@ -408,10 +409,12 @@ class RolloutServer:
 
             try:
                 store = torch.distributed.TCPStore(address, port, 2, False, datetime.timedelta(seconds=timeout_s))
-                group = open_group(store, 1, 2, backend, timeout_s, local_address_towards(address))
+                with self._on_device():
+                    group = open_group(store, 1, 2, backend, timeout_s, local_address_towards(address))
             except Exception as err:  # noqa: BLE001 (any failure to join is reported, the server stays up)
                 raise HTTPFailure(502, f"could not join the weight-transfer group at {address}:{port}: {err}") from err
             self.group, self.store, self.backend, self.packed = group, store, backend, packed
+            self.transfer_timeout_s = timeout_s
         return {"message": "Weight transfer initialized"}
 
     def shutdown_weight_transfer_engine(self, body: dict, query: dict) -> dict:
@@ -459,7 +462,7 @@ class RolloutServer:
     def update_weights(self, body: dict, query: dict) -> dict:
         import torch
 
-        from lit_grpo.weight_transfer import nbytes, transport_device, unpack
+        from lit_grpo.weight_transfer import nbytes, unpack, wait_work
 
         with self._transfer():
             if self.staging is None or self.group is None:
@@ -472,19 +475,20 @@ class RolloutServer:
                 self._drop_transfer()
                 raise HTTPFailure(err.status, f"{err.message}; the update is discarded (weight version stays "
                                               f"{self.weight_version!r}) and the transfer group is closed") from None
-            device = transport_device(self.backend)
+            device = self.transfer_device()
             self.receiving = True
             try:
-                if self.packed:
-                    total = sum(nbytes(d, s) for d, s in zip(dtypes, shapes))
-                    buffer = self._receive_buffer(tuple(names), total, device)
-                    self.group.broadcast(buffer, root=0).wait()
-                    tensors = unpack(buffer, dtypes, shapes)
-                else:
-                    tensors = []
-                    for dtype, shape in zip(dtypes, shapes):
-                        tensors.append(torch.empty(shape, dtype=dtype, device=device))
-                        self.group.broadcast(tensors[-1], root=0).wait()
+                with self._on_device():
+                    if self.packed:
+                        total = sum(nbytes(d, s) for d, s in zip(dtypes, shapes))
+                        buffer = self._receive_buffer(tuple(names), total, device)
+                        wait_work(self.group.broadcast(buffer, root=0), self.transfer_timeout_s)
+                        tensors = unpack(buffer, dtypes, shapes)
+                    else:
+                        tensors = []
+                        for dtype, shape in zip(dtypes, shapes):
+                            tensors.append(torch.empty(shape, dtype=dtype, device=device))
+                            wait_work(self.group.broadcast(tensors[-1], root=0), self.transfer_timeout_s)
             except Exception as err:  # noqa: BLE001 (sender gone, timeout: the update is dropped, the server lives)
                 self._drop_transfer()
                 raise HTTPFailure(500, f"receiving the bucket failed ({err}); the update is discarded (weight version "
@@ -494,6 +498,25 @@ class RolloutServer:
             for name, tensor in zip(names, tensors):
                 self.staging[name] = tensor.to(self.device)
         return {"message": "Weights updated"}
+
+    def transfer_device(self) -> Any:
+        """Where the bytes of a push arrive: the CPU over gloo, this server's own CUDA device over NCCL (not the
+        handler thread's current device, which is cuda:0 whatever ``--device`` says)."""
+        from lit_grpo.weight_transfer import transport_device
+
+        return transport_device(self.backend, self.device)
+
+    @contextmanager
+    def _on_device(self) -> Any:
+        """Make the server's CUDA device current in this handler thread (NCCL and the caching allocator use the
+        current device for what is not given one); nothing on the CPU."""
+        if self.device.type != "cuda":
+            yield
+            return
+        import torch
+
+        with torch.cuda.device(self.device):
+            yield
 
     def _receive_buffer(self, key: tuple[str, ...], total: int, device: Any) -> Any:
         import torch

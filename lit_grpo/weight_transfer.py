@@ -6,6 +6,11 @@ rank 0 opens (it is rank 0 of the group, the server rank 1), and a ``ProcessGrou
 (names, dtypes, shapes) and sends its bytes with one ``broadcast`` from rank 0: the bucket's tensors are packed
 back to back into one ``uint8`` buffer (``pack`` / ``unpack``), so a bucket costs one collective.
 
+A transfer that does not finish raises instead of hanging: each side waits on the broadcast's work with the
+group's timeout (``wait_work``), and an NCCL group is built with blocking wait and with a timeout that aborts the
+group instead of ending the process (``NCCL_GROUP_ENV``). With NCCL the bytes live on the device each side names
+(``transport_device``: the server's own ``--device``).
+
 Nothing here authenticates: torch.distributed traffic is not authenticated, which is why the store listens only
 on the address the trainer gives (``open_store``) and the server only joins a group its token-guarded HTTP route
 was told about.
@@ -15,8 +20,10 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
 import socket
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -28,6 +35,11 @@ DTYPES = {
 }
 BACKENDS = ("gloo", "nccl")
 STORE_PREFIX = "lit_grpo_weights"
+#: how the push group's NCCL work fails (read by ``ProcessGroupNCCL`` when it is built, so they apply to this group
+#: only): ``wait()`` blocks the host and raises once the group's timeout has passed (blocking wait), and a timeout
+#: aborts the group's communicators without ending the process (2 = CleanUpOnly; the default, 3, ends the process
+#: from the watchdog thread with a message that names no server)
+NCCL_GROUP_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -64,8 +76,20 @@ def local_address_towards(host: str) -> str:
         return sock.getsockname()[0]
 
 
-def transport_device(backend: str) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+def transport_device(backend: str, device: torch.device | str | None = None) -> torch.device:
+    """Where a bucket's bytes live for ``backend``: the CPU for gloo; for NCCL the CUDA device given (the server's
+    own ``--device``: its HTTP handler threads would otherwise see cuda:0 as the current device), else this
+    thread's current CUDA device (the trainer's rank, set by Lightning on the main thread)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown weight-transfer backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "gloo":
+        return torch.device("cpu")
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"the nccl weight transfer needs a CUDA device, got {device}")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def open_store(address: str, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
@@ -93,7 +117,34 @@ def open_group(store: dist.Store, rank: int, world_size: int, backend: str, time
         return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    with environment(NCCL_GROUP_ENV):
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block, then restore them (the push group's NCCL settings
+    must not leak into process groups made later)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def wait_work(work: dist.Work, timeout_s: float) -> None:
+    """Block this thread until ``work`` is done, at most ``timeout_s``. A bare ``wait()`` on NCCL work only makes
+    the current CUDA stream wait: the host went on, and a dead peer was noticed only by the NCCL watchdog, which
+    ended the process. With a timeout the wait blocks the host and raises the backend's error
+    (``DistBackendError`` for NCCL, ``RuntimeError`` for gloo) when the work fails or times out; a ``False``
+    answer (not completed) is raised as ``TimeoutError``."""
+    if work.wait(datetime.timedelta(seconds=timeout_s)) is False:
+        raise TimeoutError(f"the transfer did not complete within {timeout_s:g} s")
 
 
 def close_group(group: dist.ProcessGroup | None) -> None:
@@ -108,10 +159,30 @@ def close_group(group: dist.ProcessGroup | None) -> None:
             continue
 
 
+def packed_view(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """The tensors' bytes as one ``uint8`` view, without a copy, when they already lie back to back in one storage
+    on ``device`` (a bucket rebuilt in place by ``lit_grpo.distributed.rank0_buckets``, or a single tensor); else
+    ``None``."""
+    if not tensors or any(t.device != device or not t.is_contiguous() for t in tensors):
+        return None
+    first = tensors[0].detach()
+    storage = first.untyped_storage()
+    position = first.data_ptr()
+    for tensor in tensors:
+        if tensor.untyped_storage().data_ptr() != storage.data_ptr() or tensor.data_ptr() != position:
+            return None
+        position += tensor.numel() * tensor.element_size()
+    view = torch.empty(0, dtype=torch.uint8, device=device)
+    return view.set_(storage, first.data_ptr() - storage.data_ptr(), (position - first.data_ptr(),))
+
+
 def pack(tensors: list[torch.Tensor], device: torch.device, buffer: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensors' bytes back to back in one ``uint8`` tensor on ``device``: a single tensor as a view of itself,
-    several copied once, into ``buffer`` when it is large enough (reusing a buffer spares the page faults of
-    fresh memory, which cost as much as the copy on a CPU)."""
+    """The tensors' bytes back to back in one ``uint8`` tensor on ``device``: a view when they already lie so
+    (``packed_view``), else copied once, into ``buffer`` when it is large enough (reusing a buffer spares the page
+    faults of fresh memory, which cost as much as the copy on a CPU)."""
+    view = packed_view(tensors, device)
+    if view is not None:
+        return view
     flat = [t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     if len(flat) == 1:
         return flat[0]

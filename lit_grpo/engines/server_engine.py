@@ -17,11 +17,17 @@ A push, on either kind: ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/u
 How the ranks take part (``load_weights`` is called on every rank with an iterator whose iteration gathers the
 full parameters, a collective):
 
-- every rank consumes the iterator; only rank 0 talks to the servers. Rank 0 sends a bucket (``bucket_mb``) as
-  soon as its gathers are done and before the next gather, so no trainer collective interleaves with a transfer
-  and rank 0 never holds more than one bucket;
+- every rank takes part in the gathers; only rank 0 talks to the servers. For an FSDP2 policy (the
+  ``full_named_parameters`` iterator ``WeightSync`` passes, not yet started) the gather goes to rank 0 only
+  (``lit_grpo.distributed.rank0_buckets``): the other ranks send their shards point to point, one bucket at a
+  time, into a receive buffer rank 0 keeps across pushes, instead of every rank all-gathering every parameter;
+  anything else is iterated on every rank as given. Rank 0 sends a bucket (``bucket_mb``) as soon as its gathers
+  are done and before the next gather, so no trainer collective interleaves with a transfer and rank 0 never
+  holds more than one bucket beyond its own shards;
 - the bytes go out on a daemon thread while the HTTP call, with a timeout, stays on the main thread; every
-  response is checked;
+  response is checked. The broadcast's wait blocks that thread until the bytes are through or the transfer
+  group's own timeout (``timeout_s``) has passed, NCCL included (``weight_transfer.wait_work``), and its failure
+  is a ``ServerError`` naming the server;
 - rank 0 keeps consuming the iterator after a failure (the other ranks are in the gathers), then every rank
   learns the outcome in one ``all_gather_object`` and they raise together: a dead server stops training within
   ``timeout_s`` with its URL in the message, and no rank waits on a collective;
@@ -49,7 +55,16 @@ from urllib.parse import urlencode, urlsplit
 import torch
 from torch import nn
 
-from lit_grpo.distributed import all_gather_objects, everyone, full_named_parameters, is_fsdp1, rank_and_world
+from lit_grpo.distributed import (
+    GatherBuffer,
+    all_gather_objects,
+    everyone,
+    fsdp2_source,
+    full_named_parameters,
+    is_fsdp1,
+    rank0_buckets,
+    rank_and_world,
+)
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
 
 TOKEN_ENV = "LIT_GRPO_SERVER_TOKEN"
@@ -57,6 +72,9 @@ KINDS = ("lit_grpo", "vllm")
 #: seeds of the chunks after the first when prompts are spread over several servers
 CHUNK_SEED_STRIDE = 1_000_003
 SEED_MODULUS = 2**62
+#: seconds the main thread waits for a bucket's broadcast beyond ``timeout_s``, so that the transfer group's own
+#: timeout (the same ``timeout_s``) is what reports a stuck transfer
+SEND_GRACE_S = 5.0
 
 
 class ServerError(RuntimeError):
@@ -65,6 +83,15 @@ class ServerError(RuntimeError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+def transfer_error(url: str, tensors: int, error: BaseException | None, timeout_s: float) -> ServerError:
+    """The ``ServerError`` for a bucket whose bytes did not go through: the transfer group's own failure (NCCL's
+    ``DistBackendError`` on a timeout or a dead peer, gloo's ``RuntimeError``, ``TimeoutError``), or no end of the
+    broadcast thread at all, with the server's URL and the type of the error."""
+    reason = (f"{type(error).__name__}: {error}" if error is not None
+              else f"not finished within {timeout_s:g} s")
+    return ServerError(f"rollout server {url}: sending a bucket of {tensors} tensors failed: {reason}")
 
 
 class HTTPClient:
@@ -236,6 +263,8 @@ class ServerEngine(RolloutEngine):
         #: iterator: FSDP gathers and casts), send (pack, announce, broadcast), finish (swap, version, resume)
         self.last_push: dict[str, float] = {}
         self._pack_buffer: torch.Tensor | None = None
+        #: rank 0's receive memory for the FSDP2 gather (``rank0_buckets``), kept across pushes
+        self._gather_buffer = GatherBuffer()
         self.dtype = self._server_dtype(dtype)
 
     # ---- servers ------------------------------------------------------------------------------------
@@ -390,16 +419,21 @@ class ServerEngine(RolloutEngine):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
         """Push the full parameters to every server (rank 0 sends, every rank gathers), then record the version
         the servers report. Raises ``ServerError`` on every rank if the push failed on any server; a server left
-        behind keeps its previous weights and version."""
+        behind keeps its previous weights and version.
+
+        Given a ``full_named_parameters`` iterator of an FSDP2 module that has not started (what ``WeightSync``
+        passes), the project's server is fed by ``rank0_buckets``: the other ranks send their shards point to
+        point to rank 0, one bucket at a time, instead of every rank all-gathering every parameter. Anything
+        else (plain, DDP, FSDP1 modules, weights already gathered) is iterated on every rank as given."""
         rank, world = rank_and_world()
-        iterator = iter(named_tensors)
+        module = fsdp2_source(named_tensors) if self.kind == "lit_grpo" else None
         if self.kind == "vllm":
-            outcome = self._push_vllm(iterator, int(step), rank)
+            outcome = self._push_vllm(iter(named_tensors), int(step), rank)
         elif rank == 0:
-            outcome = self._push(iterator, int(step))
+            outcome = self._push(named_tensors, module, int(step))
         else:
-            for _ in iterator:
-                pass
+            for _ in rank0_buckets(module, self.bucket_bytes) if module is not None else named_tensors:
+                pass  # sends this rank's shards, or runs the gathers of the iterator
             outcome = {"error": None}
         outcomes = all_gather_objects(outcome) if world > 1 else [outcome]
         errors = [o["error"] for o in outcomes if o["error"]]
@@ -416,9 +450,21 @@ class ServerEngine(RolloutEngine):
         target = self.dtype if tensor.is_floating_point() else tensor.dtype
         return tensor.detach().to(device=device, dtype=target)
 
-    def _push(self, iterator: Iterator[tuple[str, torch.Tensor]], step: int) -> dict:
-        """Rank 0's push to the project's servers: the iterator is consumed to the end whatever happens."""
-        from lit_grpo.weight_transfer import buckets, transport_device
+    def _buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: nn.Module | None,
+                 convert: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Rank 0's buckets of full tensors in the wire dtype: gathered to rank 0 by ``rank0_buckets`` (an FSDP2
+        ``module``, into a receive buffer kept across pushes), or grouped from the iterator as it is gathered."""
+        from lit_grpo.weight_transfer import buckets
+
+        if module is None:
+            return buckets(iter(named_tensors), self.bucket_bytes, convert)
+        gathered = rank0_buckets(module, self.bucket_bytes, self._gather_buffer)
+        return ([(name, convert(tensor)) for name, tensor in bucket] for bucket in gathered)
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: nn.Module | None, step: int) -> dict:
+        """Rank 0's push to the project's servers: the buckets are consumed to the end whatever happens (the other
+        ranks are in the gathers)."""
+        from lit_grpo.weight_transfer import transport_device
 
         device = transport_device(self.backend)
         failed: list[Exception] = []
@@ -435,7 +481,7 @@ class ServerEngine(RolloutEngine):
             return tensor if failed else self._cast(tensor, device)
 
         mark = time.perf_counter()
-        for bucket in buckets(iterator, self.bucket_bytes, convert):  # the gathers run here
+        for bucket in self._buckets(named_tensors, module, convert):  # the gathers run here
             gathered = time.perf_counter()
             times["gather_s"] += gathered - mark
             if not failed:
@@ -506,20 +552,29 @@ class ServerEngine(RolloutEngine):
 
     def _payload(self, bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[dict, list[torch.Tensor]]:
         """A bucket's announcement (``update_info``) and the tensors that carry its bytes: one packed ``uint8``
-        tensor (written into a buffer kept across buckets and pushes), or the tensors themselves."""
-        from lit_grpo.weight_transfer import dtype_name, pack
+        tensor (a view when the tensors already lie back to back, as ``rank0_buckets`` leaves them; else written
+        into a buffer kept across buckets and pushes), or the tensors themselves."""
+        from lit_grpo.weight_transfer import dtype_name, pack, packed_view
 
         tensors = [t for _, t in bucket]
         info = {"names": [name for name, _ in bucket], "dtype_names": [dtype_name(t.dtype) for t in tensors],
                 "shapes": [list(t.shape) for t in tensors]}
         if not self.packed:
             return info, [t.contiguous() for t in tensors]
+        view = packed_view(tensors, device)
+        if view is not None:
+            return info, [view]
         if len(tensors) > 1 and (self._pack_buffer is None or self._pack_buffer.device != device):
             self._pack_buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
         return info, [pack(tensors, device, self._pack_buffer)]
 
     def _send(self, server: _Server, info: dict, payload: list[torch.Tensor]) -> None:
-        """Announce a bucket over HTTP (main thread, with a timeout) while its bytes go out on a daemon thread."""
+        """Announce a bucket over HTTP (main thread, with a timeout) while its bytes go out on a daemon thread.
+        The broadcast's wait blocks that thread until the bytes are through or the transfer group's own timeout
+        has passed (also with NCCL, whose plain ``wait()`` does not block the host); its failure, or no end
+        within the timeout and a grace, is a ``ServerError`` naming the server."""
+        from lit_grpo.weight_transfer import wait_work
+
         names = info["names"]
         sent: dict[str, Any] = {}
         group = server.group
@@ -527,7 +582,7 @@ class ServerEngine(RolloutEngine):
         def broadcast() -> None:
             try:
                 for tensor in payload:
-                    group.broadcast(tensor, root=0).wait()
+                    wait_work(group.broadcast(tensor, root=0), self.timeout_s)
                 sent["done"] = True
             except Exception as err:  # noqa: BLE001 (reported on the main thread)
                 sent["error"] = err
@@ -535,10 +590,9 @@ class ServerEngine(RolloutEngine):
         thread = threading.Thread(target=broadcast, name="lit_grpo-weight-broadcast", daemon=True)
         thread.start()
         server.client.post("/update_weights", {"update_info": info})
-        thread.join(self.timeout_s)
+        thread.join(self.timeout_s + SEND_GRACE_S)  # the group's timeout fires first, with its own message
         if "error" in sent or not sent.get("done"):
-            reason = sent.get("error", f"not finished within {self.timeout_s:g} s")
-            raise ServerError(f"rollout server {server.url}: sending a bucket of {len(names)} tensors failed: {reason}")
+            raise transfer_error(server.url, len(names), sent.get("error"), self.timeout_s)
 
     def _finish(self, server: _Server, version: str) -> str:
         server.client.post("/finish_weight_update", {"weight_version": version})
