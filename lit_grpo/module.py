@@ -6,6 +6,7 @@ micro-batch forward and backward, clips gradients and steps AdamW. The math live
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -21,11 +22,13 @@ from lit_grpo.distributed import (
     clip_grad_norm,
     fsdp1_wrap_model,
     fully_shard_model,
+    gradient_sync_paused,
     is_fsdp1,
     rank_and_world,
     reduce_stats,
     sum_over_ranks,
 )
+from lit_grpo.flops import model_flops_utilisation, parameter_count, peak_flops_for, processed_tokens, update_flops
 from lit_grpo.math.aggregation import AGGREGATION_MODES, token_weights
 from lit_grpo.math.rec import POLICY_LOSSES, make_loss_config, red_drop_advantages
 from lit_grpo.math.tv import logprob_gap, tv_estimate
@@ -61,6 +64,9 @@ class GRPOModule(L.LightningModule):
         monitor_tv_after_update: measure TV(pi, alpha) after the batch's last optimizer step with one extra
             no-grad pass over the batch (Theorem 1 monitor, ``tv/pi_alpha``); off: no extra pass, and
             ``tv/pi_alpha`` is measured at the last iteration's forward, before its optimizer step.
+        peak_flops: one device's peak FLOP/s, the denominator of ``train/mfu`` (model FLOP utilisation of the
+            update, see ``lit_grpo.flops``). None: the bf16 dense peak of the CUDA device when
+            ``lit_grpo.flops.PEAK_BF16_FLOPS`` knows it; on a CPU or an unknown device no MFU is logged.
     """
 
     def __init__(
@@ -89,8 +95,12 @@ class GRPOModule(L.LightningModule):
         loss: str = "grpo",
         loss_options: dict[str, float] | None = None,
         monitor_tv_after_update: bool = True,
+        peak_flops: float | None = None,
     ) -> None:
         super().__init__()
+        if peak_flops is not None and not (math.isfinite(peak_flops) and peak_flops > 0):
+            raise ValueError(f"peak_flops must be a finite number of FLOP/s > 0 (None: the device's known bf16 "
+                             f"peak), got {peak_flops!r}")
         if iterations_per_batch < 1:
             raise ValueError(f"iterations_per_batch (i) must be >= 1, got {iterations_per_batch}")
         if not temperature > 0:
@@ -114,6 +124,8 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         self.policy, self.tokenizer = load_model_and_tokenizer(model_name, dtype)
         disable_dropout(self.policy)
+        # counted now, before any sharding: the whole model's N, on every rank (the FLOPs behind train/mfu)
+        self.policy_parameters = parameter_count(self.policy)
         self.policy.train()  # from_pretrained returns eval mode; with dropout off the two modes compute the same
         # pi_ref is made on first use (`configure_model` under a trainer, else the first access of `reference`),
         # so that on an accelerator it is copied straight there instead of doubling the policy on the host
@@ -234,44 +246,25 @@ class GRPOModule(L.LightningModule):
         return [completion_logprobs(self.reference, mb, self.hparams.temperature)[0] for mb in micro_batches]
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
+        """i optimizer steps on one rollout batch, each over every micro-batch. The statistics stay on the device
+        for the whole update (no host sync per micro-batch) and reach the host once, in ``log_step``."""
         hp = self.hparams
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         staleness = self.global_step - batch.rollout_step
-        # DDP and FSDP average gradients over ranks; the weights already divide by global totals, so undo the mean
-        _, world = rank_and_world()
         start = time.perf_counter()
         keep = self.red_drop(batch) if hp.loss == "red_drop" else None
         weights = self.loss_weights(batch, keep)
         micro_batches = list(batch.micro_batches())
         ref_logps = self.reference_logprobs(micro_batches)
         pik_logps: list[torch.Tensor | None] = [None] * len(micro_batches)
-        iteration_stats, losses, grad_norms, entropy_sum = [], [], [], torch.zeros((), dtype=torch.float64)
+        iteration_stats, grad_norms = [], []
         for iteration in range(hp.iterations_per_batch):
             totals: dict[str, torch.Tensor] = {}
-            loss_total = torch.zeros((), dtype=torch.float64)
             for j, mb in enumerate(micro_batches):
-                want_entropy = hp.log_entropy and iteration == 0
-                logp, entropy = completion_logprobs(self.policy, mb, hp.temperature, with_entropy=want_entropy)
-                if iteration == 0:
-                    pik_logps[j] = logp.detach()
-                    if entropy is not None:
-                        entropy_sum += (entropy * mb.completion_mask).sum().double().cpu()
-                alpha_logp = pik_logps[j] if batch.alpha_logp is None else mb.take(batch.alpha_logp)
-                loss, stats = self.loss_fn(
-                    logp=logp, alpha_logp=alpha_logp, advantages=mb.take(batch.advantages),
-                    weights=mb.take(weights), mask=mb.completion_mask, config=self.loss_config,
-                    pik_logp=pik_logps[j], ref_logp=ref_logps[j],
-                )
-                # Theorem 1 monitor: TV(pi_k, alpha) at the first iteration, TV(pi, alpha) at the last one
-                if iteration == 0:
-                    tv = tv_estimate(pik_logps[j], alpha_logp, mb.completion_mask)
-                    gap = logprob_gap(pik_logps[j], alpha_logp, mb.completion_mask)
-                    stats.update(tv_pik_alpha_sum=tv.sum, tv_tokens=tv.count, logp_gap_sum=gap.sum)
-                if iteration == hp.iterations_per_batch - 1 and not hp.monitor_tv_after_update:
-                    stats["tv_pi_alpha_sum"] = tv_estimate(logp, alpha_logp, mb.completion_mask).sum
-                self.manual_backward(loss * world if world > 1 else loss)
-                loss_total += loss.detach().double().cpu()
+                with self.gradient_sync(last=j == len(micro_batches) - 1):
+                    stats, pik_logps[j] = self.micro_batch_step(batch, mb, weights, ref_logps[j], pik_logps[j],
+                                                                iteration)
                 merge_stats(totals, stats)
             # clipping happens in `on_before_optimizer_step`, which the precision plugin calls after unscaling
             self._grad_norms = []
@@ -280,38 +273,76 @@ class GRPOModule(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             iteration_stats.append(totals)
-            losses.append(loss_total)
         if hp.monitor_tv_after_update:
             iteration_stats[-1]["tv_pi_alpha_sum"] = self.tv_after_update(batch, micro_batches, pik_logps)
+        iteration_stats[0]["processed_tokens"] = torch.stack(
+            [processed_tokens(mb.prompt_mask, mb.completion_mask) for mb in micro_batches]).sum()
+        wait_for_device(self.device)  # the clock must hold the work still queued on an accelerator
         update_seconds = time.perf_counter() - start
-        self.log_step(batch, iteration_stats, losses, grad_norms, entropy_sum, staleness, update_seconds)
-        return torch.stack(losses).mean()
+        self.log_step(batch, iteration_stats, grad_norms, staleness, update_seconds)
+        return torch.stack([stats["loss"] for stats in iteration_stats]).mean()
+
+    def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Gradients are reduced over ranks in the last micro-batch's backward only: the others run inside
+        ``gradient_sync_paused`` (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``, FSDP1's
+        ``no_sync``), so an optimizer step makes one reduction, not one per micro-batch."""
+        if last:
+            return contextlib.nullcontext()
+        wrapper = self.trainer.strategy.model if self._trainer is not None else None
+        return gradient_sync_paused(wrapper, self.policy)
+
+    def micro_batch_step(self, batch: RolloutBatch, mb: MicroBatch, weights: torch.Tensor,
+                         ref_logp: torch.Tensor | None, pik_logp: torch.Tensor | None,
+                         iteration: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Forward, loss and backward of one micro-batch. Returns its statistics (0-d device tensors: sums and
+        extrema that merge over micro-batches and ranks) and pi_k's log-probs (this forward's at iteration 0)."""
+        hp = self.hparams
+        first = iteration == 0
+        logp, entropy = completion_logprobs(self.policy, mb, hp.temperature, with_entropy=hp.log_entropy and first)
+        pik_logp = logp.detach() if first else pik_logp
+        alpha_logp = pik_logp if batch.alpha_logp is None else mb.take(batch.alpha_logp)
+        loss, stats = self.loss_fn(
+            logp=logp, alpha_logp=alpha_logp, advantages=mb.take(batch.advantages),
+            weights=mb.take(weights), mask=mb.completion_mask, config=self.loss_config,
+            pik_logp=pik_logp, ref_logp=ref_logp,
+        )
+        # Theorem 1 monitor: TV(pi_k, alpha) at the first iteration, TV(pi, alpha) at the last one
+        if first:
+            stats.update(first_iteration_stats(pik_logp, alpha_logp, mb.completion_mask, entropy))
+        if iteration == hp.iterations_per_batch - 1 and not hp.monitor_tv_after_update:
+            stats["tv_pi_alpha_sum"] = tv_estimate(logp, alpha_logp, mb.completion_mask).sum
+        # DDP and FSDP average gradients over ranks; the weights already divide by global totals, so undo the mean
+        _, world = rank_and_world()
+        self.manual_backward(loss * world if world > 1 else loss)
+        stats["loss"] = loss.detach().to(torch.float64)  # weights divide by global totals: the ranks' losses add up
+        return stats, pik_logp
 
     @torch.no_grad()
     def tv_after_update(self, batch: RolloutBatch, micro_batches: list[MicroBatch],
                         pik_logps: list[torch.Tensor]) -> torch.Tensor:
         """Sum over tokens of the TV(pi, alpha) estimate with pi the policy after the batch's last optimizer step
-        (one no-grad pass; every rank makes it, so sharded ranks stay in step)."""
-        total = torch.zeros((), dtype=torch.float64)
+        (one no-grad pass; every rank makes it, so sharded ranks stay in step). A device tensor: no host sync."""
+        sums = []
         for j, mb in enumerate(micro_batches):
             logp, _ = completion_logprobs(self.policy, mb, self.hparams.temperature)
             alpha_logp = pik_logps[j] if batch.alpha_logp is None else mb.take(batch.alpha_logp)
-            total += tv_estimate(logp, alpha_logp, mb.completion_mask).sum.cpu()
-        return total
+            sums.append(tv_estimate(logp, alpha_logp, mb.completion_mask).sum)
+        return torch.stack(sums).sum()
 
     # ---- logging --------------------------------------------------------------------------------------
-    def log_step(self, batch: RolloutBatch, iteration_stats: list[dict], losses: list[torch.Tensor],
-                 grad_norms: list[float], entropy_sum: torch.Tensor, staleness: int, update_seconds: float) -> None:
+    def log_step(self, batch: RolloutBatch, iteration_stats: list[dict], grad_norms: list[torch.Tensor],
+                 staleness: int, update_seconds: float) -> None:
         """Log the step's metrics, reduced over ranks so that they mean what they mean in one process: token
         sums and counts add, extrema combine, rollout means average over ranks (every rank holds the same
-        number of sequences), timings take the slowest rank."""
+        number of sequences), timings take the slowest rank. The device statistics reach the host here, in one
+        transfer (``reduce_stats``)."""
         _, world = rank_and_world()
         local: dict[str, torch.Tensor | float] = {}
         for i, stats in enumerate(iteration_stats):
             for key, value in stats.items():
                 local[f"it{i}/{key}"] = value
-            local[f"it{i}/loss"] = losses[i]  # weights divide by global totals: the ranks' losses add up
-        local["entropy_sum"] = entropy_sum
+        for i, norm in enumerate(grad_norms):
+            local[f"grad_norm{i}_max"] = norm  # the same number on every rank: max keeps it
         rollout_counts = ("generated_tokens", "reward_errors", "reward_timeouts")
         for key, value in batch.stats.items():
             if key.endswith("_seconds"):
@@ -335,7 +366,7 @@ class GRPOModule(L.LightningModule):
             "train/loss": total("loss") / n_it,
             "train/loss_first_iteration": float(g["it0/loss"]),
             "train/kl": float(g["it0/kl_sum"]) / denom,
-            "train/entropy": float(g["entropy_sum"]) / denom,
+            "train/entropy": float(g.get("it0/entropy_sum", 0.0)) / denom,
             "train/clip_low_fraction": total("clip_low") / all_tokens,
             "train/clip_high_fraction": total("clip_high") / all_tokens,
             "train/ratio_mean": total("ratio_sum") / all_tokens,
@@ -347,7 +378,8 @@ class GRPOModule(L.LightningModule):
             "train/update_seconds": update_seconds,
             "train/update_tokens_per_second": tokens * n_it / max(update_seconds, 1e-9),
             "train/lr": float(self.lr_schedulers().get_last_lr()[0]),
-            **grad_norm_metrics(grad_norms),
+            **grad_norm_metrics([float(g[f"grad_norm{i}_max"]) for i in range(len(grad_norms))]),
+            **self.flops_metrics(float(g["it0/processed_tokens"]), n_it, update_seconds, world),
             # Theorem 1: the two TV terms, per sampled token (sigma_alpha is rollout/reward_std)
             "tv/pik_alpha": float(g["it0/tv_pik_alpha_sum"]) / max(float(g["it0/tv_tokens"]), 1.0),
             "tv/pi_alpha": float(g[f"it{n_it - 1}/tv_pi_alpha_sum"]) / max(float(g["it0/tv_tokens"]), 1.0),
@@ -368,6 +400,28 @@ class GRPOModule(L.LightningModule):
         every = self.hparams.log_completions_every_n_steps
         if every and batch.batch_index % every == 0 and self.global_rank == 0:
             self.log_completions(batch)
+
+    def flops_metrics(self, tokens: float, iterations: int, update_seconds: float, world: int) -> dict[str, float]:
+        """``train/update_flops``: the update's model FLOPs over all ranks (``lit_grpo.flops``: 6 N per token for
+        each policy forward + backward, 2 N for the reference's and the TV-after-update no-grad passes), and
+        ``train/mfu``, achieved FLOP/s per device over the peak, when a peak is known."""
+        hp = self.hparams
+        flops = update_flops(self.policy_parameters, tokens, iterations, reference_pass=hp.beta > 0,
+                             extra_no_grad_passes=int(hp.monitor_tv_after_update))
+        metrics = {"train/update_flops": flops}
+        peak = self.device_peak_flops()
+        if peak is not None and update_seconds > 0:
+            metrics["train/mfu"] = model_flops_utilisation(flops, update_seconds, world, peak)
+        return metrics
+
+    def device_peak_flops(self) -> float | None:
+        """One device's peak FLOP/s: ``peak_flops`` when set, else the bf16 dense peak of this CUDA device when the
+        table knows it, else None (CPU, unknown device): no MFU rather than a wrong one."""
+        if self.hparams.peak_flops is not None:
+            return float(self.hparams.peak_flops)
+        if self.device.type != "cuda":
+            return None
+        return peak_flops_for(torch.cuda.get_device_name(self.device))
 
     def log_completions(self, batch: RolloutBatch) -> None:
         """First completion of each group with its reward, as markdown text in TensorBoard."""
@@ -411,9 +465,10 @@ class GRPOModule(L.LightningModule):
 
 
 def merge_stats(into: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
-    """Fold one micro-batch's statistics into running totals (sums add, extrema combine)."""
+    """Fold one micro-batch's statistics into running totals (sums add, extrema combine), in float64 on the
+    statistics' own device: no host sync per micro-batch, the totals reach the host once per step."""
     for key, value in stats.items():
-        value = value.detach().double().cpu()
+        value = value.detach().to(torch.float64)
         if key not in into:
             into[key] = value
         elif key.endswith("_min"):
@@ -424,10 +479,28 @@ def merge_stats(into: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -
             into[key] = into[key] + value
 
 
-def grad_norm_metrics(norms: list[torch.Tensor]) -> dict[str, float]:
+def first_iteration_stats(pik_logp: torch.Tensor, alpha_logp: torch.Tensor, mask: torch.Tensor,
+                          entropy: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Statistics of pi_k, the policy before this batch, taken at the first iteration's forward: the TV(pi_k,
+    alpha) sum and token count, the trainer-sampler log-prob gap, and the entropy sum when it was computed."""
+    tv = tv_estimate(pik_logp, alpha_logp, mask)
+    stats = {"tv_pik_alpha_sum": tv.sum, "tv_tokens": tv.count,
+             "logp_gap_sum": logprob_gap(pik_logp, alpha_logp, mask).sum}
+    if entropy is not None:
+        stats["entropy_sum"] = (entropy * mask).sum().to(torch.float64)
+    return stats
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block until ``device`` has run what was queued on it. Kernels run asynchronously on a GPU, and the update no
+    longer syncs per micro-batch, so without this the update's clock would stop before its work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def grad_norm_metrics(values: list[float]) -> dict[str, float]:
     """``train/grad_norm``: the mean over the step's optimizer steps of the global norm before clipping, over the
     finite ones (a 16-mixed step whose gradients overflowed is skipped by the scaler, and counted apart)."""
-    values = [float(n) for n in norms]  # one host sync per optimizer step, after the step
     finite = [v for v in values if math.isfinite(v)]
     metrics = {"train/grad_norm": sum(finite) / len(finite) if finite else float("nan")}
     metrics["train/nonfinite_grad_steps"] = float(len(values) - len(finite))

@@ -7,6 +7,7 @@ an external launcher (LOCAL_RANK, WORLD_SIZE, ...), so Lightning joins the proce
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from datetime import timedelta
@@ -14,17 +15,54 @@ from pathlib import Path
 
 import torch
 from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
+from lightning.pytorch.callbacks import Callback
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
 from scripted_engine import ScriptedDataModule
 
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.data.rewards import RewardRunner
 from lit_grpo.distributed import full_named_parameters
+from lit_grpo.flops import parameter_count
 
 KEYS = ("train/loss", "train/kl", "rollout/reward_mean", "rollout/reward_std", "rollout/frac_zero_variance",
         "rollout/generated_tokens", "train/staleness", "train/ratio_first_iteration_min",
         "train/ratio_first_iteration_max", "train/ratio_mean", "train/clip_low_fraction", "train/entropy",
-        "train/grad_norm")
+        "train/grad_norm", "train/update_flops")
+#: gradient reductions this process made in the current job (DDP comm-hook calls, FSDP2 reduce-scatters)
+REDUCTIONS = {"count": 0}
+
+
+def counting_allreduce_hook(state, bucket):  # noqa: ANN001, ANN201
+    """DDP's default all-reduce, counted: one call per gradient bucket per synced backward."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    REDUCTIONS["count"] += 1
+    return allreduce_hook(state, bucket)
+
+
+class CountDDPReductions(Callback):
+    """Put the counting hook on the DDP model before the first backward (Lightning registers its own
+    ``ddp_comm_hook`` on CUDA only)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):
+            trainer.strategy.model.register_comm_hook(None, counting_allreduce_hook)
+
+
+@contextlib.contextmanager
+def counting_reduce_scatters():  # noqa: ANN201
+    """Count FSDP2's gradient reduce-scatters (it calls ``torch.distributed.reduce_scatter_single``)."""
+    original = torch.distributed.reduce_scatter_single
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        REDUCTIONS["count"] += 1
+        return original(*args, **kwargs)
+
+    torch.distributed.reduce_scatter_single = counted
+    try:
+        yield
+    finally:
+        torch.distributed.reduce_scatter_single = original
 
 
 def make_strategy(kind: str, world: int):  # noqa: ANN201
@@ -135,9 +173,13 @@ def run_job(job: dict, workdir: str) -> dict:
         data_kwargs.update(engine="server", engine_options=dict(job["server"]))
     data = tiny_data(cls=data_cls, **data_kwargs)
     module = tiny_module(**job.get("module", {}))
+    count = job.get("count_reductions", False)
+    callbacks += [CountDDPReductions()] if count else []
     trainer = tiny_trainer(workdir, max_steps=job["max_steps"], callbacks=callbacks, devices=world,
                            strategy=make_strategy(job.get("strategy", "single"), world))
-    trainer.fit(module, datamodule=data, ckpt_path=job.get("ckpt_in"))
+    REDUCTIONS["count"] = 0
+    with counting_reduce_scatters() if count else contextlib.nullcontext():
+        trainer.fit(module, datamodule=data, ckpt_path=job.get("ckpt_in"))
     if job.get("ckpt_out"):
         trainer.save_checkpoint(job["ckpt_out"])
     full = {name: t.detach().clone() for name, t in full_named_parameters(module.policy)}  # every rank gathers
@@ -150,6 +192,10 @@ def run_job(job: dict, workdir: str) -> dict:
         "eval": evaluator.history if evaluator else None,
         "rank": trainer.global_rank,
         "world": trainer.world_size,
+        "reductions": REDUCTIONS["count"],
+        # counted on the policy as trained: sharded (DTensor) parameters under FSDP2
+        "parameters": parameter_count(module.policy),
+        "sharded": any(hasattr(p, "full_tensor") for p in module.policy.parameters()),
     }
 
 

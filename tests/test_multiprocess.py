@@ -16,14 +16,17 @@ from distributed_launch import launch
 
 STRATEGIES = ("ddp", "fsdp2")
 EQUALITY_CASES = list(itertools.product((False, True), ("token_mean", "seq_mean_token_mean", "constant")))
+# 4 completions a rank in micro-batches of 2 or 1: 2 or 4 micro-batches on each rank (4 or 8 in the one process)
+MICRO_BATCH_CASES = [(True, "token_mean", 2), (False, "seq_mean_token_mean", 2), (True, "token_mean", 1)]
 EVAL = dict(num_samples=3, ks=[1, 2], num_questions=5, per_chunk=1, max_new_tokens=6)
 RESUME = dict(v=2, swap_every=4, module=dict(beta=0.1, lr=1e-2), data=dict(prompts_per_step=1))
 
 
-def equality_job(mask: bool, aggregation: str, per_rank_prompts: int, weights_out: str, strategy: str) -> dict:
+def equality_job(mask: bool, aggregation: str, per_rank_prompts: int, weights_out: str, strategy: str,
+                 micro_batch_size: int = 4) -> dict:
     # beta > 0 with a reference swap-free run: the KL term and the reference's (sharded) forward take part
-    return dict(strategy=strategy, scripted=True, max_steps=2, weights_out=weights_out,
-                data=dict(prompts_per_step=per_rank_prompts),
+    return dict(strategy=strategy, scripted=True, max_steps=2, weights_out=weights_out, count_reductions=True,
+                data=dict(prompts_per_step=per_rank_prompts, micro_batch_size=micro_batch_size),
                 module=dict(mask_zero_variance=mask, loss_aggregation=aggregation, beta=0.1, lr=1e-3))
 
 
@@ -37,6 +40,9 @@ def two_ranks(tmp_path_factory):
         for mask, agg in EQUALITY_CASES:
             index[(strategy, "equal", mask, agg)] = len(jobs)
             jobs.append(equality_job(mask, agg, 1, str(root / f"{strategy}-{mask}-{agg}.pt"), strategy))
+        for mask, agg, size in MICRO_BATCH_CASES:
+            index[(strategy, "micro", mask, agg, size)] = len(jobs)
+            jobs.append(equality_job(mask, agg, 1, str(root / f"{strategy}-{mask}-{agg}-mb{size}.pt"), strategy, size))
         index[(strategy, "v1")] = len(jobs)
         jobs.append(dict(strategy=strategy, v=1, max_steps=3, data=dict(prompts_per_step=1,
                                                                         reuse_policy_logprobs=False)))
@@ -53,14 +59,13 @@ def two_ranks(tmp_path_factory):
     return root, index, ranks
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("mask,aggregation", EQUALITY_CASES)
-def test_two_ranks_one_prompt_each_equal_one_rank_with_both(two_ranks, tmp_path, strategy, mask, aggregation):
-    root, index, ranks = two_ranks
+def assert_two_ranks_equal_one_rank(two: dict, weights_file, mask: bool, aggregation: str, tmp_path,
+                                    micro_batch_size: int) -> None:
+    """The 2-rank fit (one prompt a rank) against one process with both prompts, same micro-batch size: the same
+    updated weights (1e-5) and the same logged metrics."""
     single = tmp_path / "single.pt"
-    one = run_job(equality_job(mask, aggregation, 2, str(single), "single"), str(tmp_path))
-    two = ranks[0][index[(strategy, "equal", mask, aggregation)]]
-    expected, got = torch.load(single), torch.load(root / f"{strategy}-{mask}-{aggregation}.pt")
+    one = run_job(equality_job(mask, aggregation, 2, str(single), "single", micro_batch_size), str(tmp_path))
+    expected, got = torch.load(single), torch.load(weights_file)
     assert expected.keys() == got.keys()
     worst = max((expected[k] - got[k]).abs().max().item() for k in expected)
     assert worst <= 1e-5, f"updated weights differ by {worst}"
@@ -73,8 +78,50 @@ def test_two_ranks_one_prompt_each_equal_one_rank_with_both(two_ranks, tmp_path,
         for key in ("train/loss", "train/kl", "rollout/reward_mean", "rollout/frac_zero_variance",
                     "rollout/generated_tokens", "train/ratio_mean", "train/entropy", "train/grad_norm"):
             assert b[key] == pytest.approx(a[key], abs=1e-6), key
+        # the model FLOPs count the whole model on every rank (N of the unsharded policy, also under FSDP2)
+        assert b["train/update_flops"] == pytest.approx(a["train/update_flops"], rel=1e-12)
+    assert two["parameters"] == one["parameters"]
     # the batches mixed groups with and without spread, so the eq. 8 mask had something to do
     assert any(0 < s["rollout/frac_zero_variance"] < 1 for s in one["steps"])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("mask,aggregation", EQUALITY_CASES)
+def test_two_ranks_one_prompt_each_equal_one_rank_with_both(two_ranks, tmp_path, strategy, mask, aggregation):
+    root, index, ranks = two_ranks
+    two = ranks[0][index[(strategy, "equal", mask, aggregation)]]
+    assert_two_ranks_equal_one_rank(two, root / f"{strategy}-{mask}-{aggregation}.pt", mask, aggregation, tmp_path, 4)
+    assert two["sharded"] == (strategy == "fsdp2")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("mask,aggregation,micro_batch_size", MICRO_BATCH_CASES)
+def test_several_micro_batches_per_rank_equal_one_rank(two_ranks, tmp_path, strategy, mask, aggregation,
+                                                       micro_batch_size):
+    root, index, ranks = two_ranks
+    two = ranks[0][index[(strategy, "micro", mask, aggregation, micro_batch_size)]]
+    weights = root / f"{strategy}-{mask}-{aggregation}-mb{micro_batch_size}.pt"
+    assert_two_ranks_equal_one_rank(two, weights, mask, aggregation, tmp_path, micro_batch_size)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gradient_reductions_do_not_grow_with_micro_batches(two_ranks, strategy):
+    """Gradients are reduced over ranks in the last micro-batch's backward only: 2 or 4 micro-batches a rank make
+    as many reductions (DDP buckets, FSDP2 reduce-scatters) per step. Reducing in every backward would make 2 and 4
+    times those of 1 micro-batch."""
+    _, index, ranks = two_ranks
+    for rank in range(2):
+        results = {size: ranks[rank][index[(strategy, "micro", True, "token_mean", size)]] for size in (2, 1)}
+        made = {size: result["reductions"] for size, result in results.items()}
+        one_micro_batch = ranks[rank][index[(strategy, "equal", True, "token_mean")]]["reductions"]
+        assert 0 < one_micro_batch and made[1] == made[2], (one_micro_batch, made)
+        if strategy == "ddp":  # one all-reduce per bucket per optimizer step, whatever the micro-batches
+            assert made[2] == one_micro_batch
+        else:
+            # FSDP2 reduce-scatters a decoder layer once per use in the synced backward: the prompt pass and the
+            # completion pass each use it, and with gradients accumulated from earlier micro-batches both
+            # reduce (2 layers: 5 a step instead of 3); still a constant, not one set per micro-batch
+            assert made[2] < 2 * one_micro_batch
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

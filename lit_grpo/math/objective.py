@@ -81,16 +81,36 @@ def grpo_loss(
 def token_stats(m: torch.Tensor, ratio: torch.Tensor, clip_low: torch.Tensor, clip_high: torch.Tensor,
                 kl: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Sums and extrema over the tokens of the boolean mask ``m``, so micro-batches and ranks merge exactly:
-    ``tokens``, ``ratio_sum``, ``ratio_min``, ``ratio_max``, ``clip_low``, ``clip_high``, ``kl_sum``."""
+    ``tokens``, ``ratio_sum``, ``ratio_min``, ``ratio_max``, ``clip_low``, ``clip_high``, ``kl_sum``.
+
+    Every value stays a 0-d tensor on the device, and nothing here waits for the device: masked-out tokens are
+    replaced (0 for sums, +-inf for extrema) with ``torch.where`` rather than dropped with ``x[m]``, whose output
+    size the host would have to read back. ``where``, not a product with the mask, so a padded position whose
+    ratio overflowed to inf cannot turn a sum into NaN. With no token in ``m`` the extrema are +inf and -inf.
+    """
     ratio = ratio.detach()
-    inf = torch.tensor(float("inf"), dtype=ratio.dtype, device=ratio.device)
     return {
         "tokens": m.sum().to(torch.float64),
-        "ratio_sum": ratio[m].sum().to(torch.float64),
-        "ratio_min": ratio[m].min() if m.any() else inf,
-        "ratio_max": ratio[m].max() if m.any() else -inf,
+        "ratio_sum": masked_sum(ratio, m),
+        "ratio_min": masked_extremum(ratio, m, "min"),
+        "ratio_max": masked_extremum(ratio, m, "max"),
         "clip_low": clip_low.sum().to(torch.float64),
         "clip_high": clip_high.sum().to(torch.float64),
-        "kl_sum": (kl.detach()[m].sum() if kl is not None else torch.zeros((), device=ratio.device)).to(
-            torch.float64),
+        "kl_sum": masked_sum(kl.detach(), m) if kl is not None else torch.zeros((), dtype=torch.float64,
+                                                                               device=ratio.device),
     }
+
+
+def masked_sum(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Float64 sum of ``x`` over the tokens of the boolean mask ``m``, without a host sync (see token_stats)."""
+    return torch.where(m, x.to(torch.float64), 0.0).sum()
+
+
+def masked_extremum(x: torch.Tensor, m: torch.Tensor, kind: str) -> torch.Tensor:
+    """``min`` or ``max`` of ``x`` over the tokens of the boolean mask ``m`` (+inf / -inf when none), without a
+    host sync: masked-out tokens are set to the neutral element instead of being dropped."""
+    neutral = float("inf") if kind == "min" else float("-inf")
+    if m.numel() == 0:  # a shape, known on the host: amin/amax refuse empty tensors
+        return torch.tensor(neutral, dtype=x.dtype, device=x.device)
+    filled = torch.where(m, x, neutral)
+    return filled.amin() if kind == "min" else filled.amax()

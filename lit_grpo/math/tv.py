@@ -40,7 +40,9 @@ def tv_estimate(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) 
     in expectation (chain rule of TV), so this is a proxy, comparable across runs, not the theorem's quantity.
 
     Shapes ``[S, T]``; ``mask`` 1 on completion tokens. Returns float64 ``value``, ``sum`` (of
-    ``0.5 |r - 1|``) and ``count``; nothing here needs or keeps a gradient.
+    ``0.5 |r - 1|``) and ``count``, on the inputs' device; nothing here needs or keeps a gradient, and nothing
+    waits for the device (masked-out tokens are zeroed with ``torch.where``, not dropped with ``x[mask]``, so the
+    trainer can call this on every micro-batch without a host sync).
     """
     if logp_a.shape != logp_b.shape or logp_a.shape != mask.shape:
         raise ValueError(
@@ -51,7 +53,7 @@ def tv_estimate(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) 
         m = mask.bool()
         diff = (logp_a.detach() - logp_b.detach()).to(torch.float64)
         half_abs = 0.5 * (torch.exp(diff) - 1.0).abs()
-        total = half_abs[m].sum()
+        total = torch.where(m, half_abs, 0.0).sum()
         count = m.sum().to(torch.float64)
         return TVEstimate(tv_from_sum_count(total, count), total, count)
 
@@ -70,7 +72,8 @@ def logprob_gap(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) 
 
     Why: there the paper's alpha is pi_k, so eq. 6's ratio pi/alpha starts at exactly 1 in exact arithmetic; any
     gap is the two engines' numerics (another precision, vLLM's kernels) or weights that did not arrive (the
-    check that caught silently unsynced weights in TRL issue 5312). Float64; no gradient.
+    check that caught silently unsynced weights in TRL issue 5312). Float64, on the inputs' device; no gradient
+    and no host sync (``torch.where`` rather than ``x[mask]``, as in :func:`tv_estimate`).
     """
     if logp_a.shape != logp_b.shape or logp_a.shape != mask.shape:
         raise ValueError(
@@ -80,7 +83,7 @@ def logprob_gap(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) 
     with torch.no_grad():
         m = mask.bool()
         gap = (logp_a.detach().to(torch.float64) - logp_b.detach().to(torch.float64)).abs()
-        return SumCount(gap[m].sum(), m.sum().to(torch.float64))
+        return SumCount(torch.where(m, gap, 0.0).sum(), m.sum().to(torch.float64))
 
 
 def group_reward_std(rewards: torch.Tensor) -> torch.Tensor:
