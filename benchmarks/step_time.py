@@ -121,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="completions per forward/backward (ours)")
     parser.add_argument("--beta", type=float, default=0.1, help="KL weight")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    parser.add_argument("--tv-monitor", action="store_true",
+                        help="ours: also run the Theorem-1 monitor's after-update pass (GRPOModule's default; "
+                             "TRL has no such pass, so it is off here for equal work)")
     parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
     parser.add_argument("--output", type=Path, default=None,
                         help="where to write the JSON results (default: benchmarks/results/step_time.json on the "
@@ -165,6 +168,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "warmup": args.warmup,
         "threads": args.threads,
+        "tv_monitor": args.tv_monitor,
     }
 
 
@@ -290,6 +294,8 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     module = GRPOModule(
         model_name=args.model, dtype="float32", beta=args.beta, temperature=args.temperature,
         max_completion_length=args.max_new_tokens, lr=args.lr,
+        # equal work: TRL has no Theorem-1 monitor, whose after-update pass is one more no-grad forward
+        monitor_tv_after_update=args.tv_monitor,
     )
     data = RolloutDataModule(
         dataset="bundled", split="train", prompts_per_step=args.prompts, num_generations=args.generations,
@@ -472,7 +478,7 @@ def worker_command(args: argparse.Namespace, side: str) -> list[str]:
         "--micro-batch-size", str(args.micro_batch_size), "--beta", repr(args.beta),
         "--temperature", repr(args.temperature), "--lr", repr(args.lr),
         "--accelerator", args.accelerator, "--precision", args.precision, "--reward", args.reward,
-        *(["--tf32"] if args.tf32 else []),
+        *(["--tf32"] if args.tf32 else []), *(["--tv-monitor"] if args.tv_monitor else []),
     ]
 
 
