@@ -27,6 +27,14 @@ def tv_from_sum_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 0, total / count.clamp(min=1), torch.zeros_like(total))
 
 
+def _check_same_shape(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) -> None:
+    if logp_a.shape != logp_b.shape or logp_a.shape != mask.shape:
+        raise ValueError(
+            f"logp_a, logp_b and mask must have the same shape, got {tuple(logp_a.shape)}, "
+            f"{tuple(logp_b.shape)}, {tuple(mask.shape)}"
+        )
+
+
 def tv_estimate(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) -> TVEstimate:
     """Token-level estimate of ``TV(a, b)`` from tokens sampled from ``b``: ``0.5 * mean |exp(logp_a - logp_b) - 1|``
     over the tokens of ``mask``.
@@ -44,11 +52,7 @@ def tv_estimate(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) 
     waits for the device (masked-out tokens are zeroed with ``torch.where``, not dropped with ``x[mask]``, so the
     trainer can call this on every micro-batch without a host sync).
     """
-    if logp_a.shape != logp_b.shape or logp_a.shape != mask.shape:
-        raise ValueError(
-            f"logp_a, logp_b and mask must have the same shape, got {tuple(logp_a.shape)}, "
-            f"{tuple(logp_b.shape)}, {tuple(mask.shape)}"
-        )
+    _check_same_shape(logp_a, logp_b, mask)
     with torch.no_grad():
         m = mask.bool()
         diff = (logp_a.detach() - logp_b.detach()).to(torch.float64)
@@ -75,11 +79,7 @@ def logprob_gap(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) 
     check that caught silently unsynced weights in TRL issue 5312). Float64, on the inputs' device; no gradient
     and no host sync (``torch.where`` rather than ``x[mask]``, as in :func:`tv_estimate`).
     """
-    if logp_a.shape != logp_b.shape or logp_a.shape != mask.shape:
-        raise ValueError(
-            f"logp_a, logp_b and mask must have the same shape, got {tuple(logp_a.shape)}, "
-            f"{tuple(logp_b.shape)}, {tuple(mask.shape)}"
-        )
+    _check_same_shape(logp_a, logp_b, mask)
     with torch.no_grad():
         m = mask.bool()
         gap = (logp_a.detach().to(torch.float64) - logp_b.detach().to(torch.float64)).abs()
