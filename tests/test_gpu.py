@@ -66,6 +66,9 @@ def test_every_precision_and_strategy_trains(matrix, strategy, precision):
         assert all(torch.isfinite(torch.tensor(step[k])) for k in ("train/loss", "train/kl", "train/grad_norm"))
         assert step["train/nonfinite_grad_steps"] == 0
         assert step["train/ratio_first_iteration_min"] == 1.0 == step["train/ratio_first_iteration_max"]
+        # the update's model FLOP utilisation, against the device's known bf16 peak (a fraction, never above 1)
+        if "train/mfu" in step:
+            assert 0.0 < step["train/mfu"] < 1.0
 
 
 @pytest.mark.parametrize("strategy, precision", [c for c in COMBINATIONS if c[1] != "32-true"])
