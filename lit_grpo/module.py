@@ -152,6 +152,13 @@ class GRPOModule(L.LightningModule):
         self._reference_pending = False
         self._modules["reference"] = reference
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Make pi_ref before loading a state that holds it (``load_from_checkpoint``, a resume), so that its saved
+        weights, which differ from the policy's after a stage swap, land in it instead of being skipped."""
+        if self._reference_pending and any(k.startswith("reference.") for k in state_dict):
+            self.reference  # noqa: B018 (builds it, on the policy's device)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def checkpoint_layout(self) -> dict[str, torch.Tensor]:
         """The state dict a checkpoint of this module holds, also before pi_ref exists (it mirrors the policy)."""
         state = self.state_dict()

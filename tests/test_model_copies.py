@@ -49,3 +49,23 @@ def test_engine_copies_the_policy_on_first_use_and_then_keeps_its_own_weights():
     with torch.no_grad():
         next(policy.parameters()).add_(1.0)  # training moves the policy; the engine lags until the next sync
     assert not torch.equal(next(engine.model.parameters()), next(policy.parameters()))
+
+
+def test_load_from_checkpoint_restores_the_saved_reference(tmp_path):
+    """pi_ref is made on first use; a state that holds it (after a stage swap it differs from the policy) must
+    land in it, not be skipped while a fresh copy of the loaded policy takes its place."""
+    from conftest import tiny_data, tiny_module, tiny_trainer
+    from handmade import perturb
+    from lit_grpo.callbacks import WeightSync
+
+    from lit_grpo.module import GRPOModule
+
+    module = tiny_module(beta=0.1, lr=1e-2)
+    trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[WeightSync()])
+    trainer.fit(module, datamodule=tiny_data())
+    perturb(module.reference)
+    trainer.save_checkpoint(tmp_path / "x.ckpt")
+    loaded = GRPOModule.load_from_checkpoint(tmp_path / "x.ckpt")
+    for a, b in zip(module.reference.parameters(), loaded.reference.parameters()):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(loaded.policy.parameters(), loaded.reference.parameters()))
