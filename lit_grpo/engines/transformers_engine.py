@@ -57,8 +57,8 @@ class TransformersEngine(RolloutEngine):
     through transformers' ``generate`` with a fixed-shape cache, compiled into CUDA graphs on a GPU when
     ``compile`` (see :mod:`lit_grpo.engines.static_decoding`: same distribution, another random stream).
     ``"auto"`` (default) takes ``"static"`` on CUDA with ``compile`` on, else ``"dynamic"``; ``compile: false``
-    therefore turns the compiled path off. Decoding that must stay in lockstep across ranks (a sharded model
-    sampled for evaluation) always takes the dynamic path.
+    therefore turns the compiled path off. Decoding that must stay in lockstep across ranks, and any sharded
+    model (evaluation samples from the training policy itself), always takes the dynamic path.
 
     The private copy is made on first use (the first ``load_weights``, which ``WeightSync`` makes at the start of
     training, or the first ``generate``), on the device the model is on by then: a GPU run never holds a second
@@ -145,6 +145,10 @@ class TransformersEngine(RolloutEngine):
             self.model.train(was_training)  # the caller's mode, also when sampling fails
 
     def uses_static_decoding(self) -> bool:
+        """Whether ``generate`` takes the static-cache path. A sharded (FSDP) model, which evaluation may borrow
+        even in one process, always takes the dynamic path: ``generate`` and its compilation expect a plain model."""
+        if _is_sharded(self.model):
+            return False
         if self.decode == "auto":
             return self.static_decoder.compile and self.device.type == "cuda"
         return self.decode == "static"
