@@ -152,6 +152,12 @@ def is_fsdp2(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """FSDP2 (DTensor parameters) or FSDP1 (a wrapper whose parameters are flat shards): a model no rank holds
+    whole, which only collectives can read in full."""
+    return is_fsdp1(module) or is_fsdp2(module)
+
+
 def fsdp2_source(named_tensors: object) -> nn.Module | None:
     """The FSDP2 module behind a ``full_named_parameters`` iterator that has not started, else ``None``: the
     tensors may then be gathered with ``rank0_buckets`` instead. Every rank gets the same answer for the same call

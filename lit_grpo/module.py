@@ -23,7 +23,7 @@ from lit_grpo.distributed import (
     fsdp1_wrap_model,
     fully_shard_model,
     gradient_sync_paused,
-    is_fsdp1,
+    is_sharded,
     rank_and_world,
     reduce_stats,
     sum_over_ranks,
@@ -176,8 +176,7 @@ class GRPOModule(L.LightningModule):
         """Shard policy and reference alike: FSDP2 under ``ModelParallelStrategy`` (``fully_shard`` over the
         data-parallel mesh), FSDP1 under ``FSDPStrategy``; DDP and one process need nothing here."""
         strategy = self.trainer.strategy if self._trainer is not None else None
-        sharded = is_fsdp1(self.policy) or any(hasattr(p, "full_tensor") for p in self.policy.parameters())
-        if strategy is None or sharded:
+        if strategy is None or is_sharded(self.policy):
             return  # no trainer, or already sharded by an earlier fit
         from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from lit_grpo.distributed import is_sharded
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
 from lit_grpo.engines.static_decoding import StaticDecoder
 from lit_grpo.math.logprobs import selective_log_softmax
@@ -98,15 +99,17 @@ class TransformersEngine(RolloutEngine):
     def model(self) -> nn.Module:
         """The model the engine samples from (its private copy is made here on first access)."""
         if self._model is None:
-            self._model = self._make_copy()
+            self._model = self._make_copy(fill=True)
         return self._model
 
-    def _make_copy(self) -> nn.Module:
+    def _make_copy(self, fill: bool) -> nn.Module:
+        """Storage for the private copy on the source's device; with ``fill``, the source's current values too
+        (``load_weights`` makes it without: it overwrites every parameter next)."""
         source, skeleton = self._source, self._skeleton
         self._source = self._skeleton = None  # the engine must not keep the source's old tensors alive
         device = next(source.parameters()).device  # a DTensor reports its local device
         model = materialize(skeleton, device)
-        if not _is_sharded(source):
+        if fill and not is_sharded(source):
             with torch.no_grad():
                 for (name, mine), (src_name, theirs) in zip(model.named_parameters(), source.named_parameters()):
                     if name != src_name:
@@ -147,7 +150,7 @@ class TransformersEngine(RolloutEngine):
     def uses_static_decoding(self) -> bool:
         """Whether ``generate`` takes the static-cache path. A sharded (FSDP) model, which evaluation may borrow
         even in one process, always takes the dynamic path: ``generate`` and its compilation expect a plain model."""
-        if _is_sharded(self.model):
+        if is_sharded(self.model):
             return False
         if self.decode == "auto":
             return self.static_decoder.compile and self.device.type == "cuda"
@@ -226,6 +229,8 @@ class TransformersEngine(RolloutEngine):
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
+        if self._model is None:
+            self._model = self._make_copy(fill=False)
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         seen = set()
@@ -253,9 +258,3 @@ class TransformersEngine(RolloutEngine):
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.named_parameters()}
 
-
-def _is_sharded(model: nn.Module) -> bool:
-    """FSDP2 (DTensor parameters) or FSDP1 (a wrapper whose parameters are flat shards)."""
-    from lit_grpo.distributed import is_fsdp1
-
-    return is_fsdp1(model) or any(hasattr(p, "full_tensor") for p in model.parameters())
