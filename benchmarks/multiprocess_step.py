@@ -1,11 +1,16 @@
-"""Step time and peak memory per process of GRPO training in 1 process, 2 DDP processes, 2 FSDP2 processes, and 2 FSDP2
-processes with the project's rollout server (the paper's layout on CPU).
+"""Step time and peak memory per process of GRPO training in 1 process, 2 DDP processes, 2 FSDP2 processes, 2 FSDP2
+processes with the project's rollout server (the paper's layout on CPU), and 1 trainer process with the server.
 
 The job is the demo shape of ``step_time.py``: SmolLM2-135M-Instruct in float32, a frozen reference (beta 0.1),
 2 GSM8K prompts x G = 8 completions per step, 64 new tokens, temperature 1.0, one AdamW step per rollout batch,
 weights synced to the in-process rollout engine every step (v = 1). The global batch is the same in every layout:
 1 process draws both prompts; 2 processes draw one each. In the ``server`` layout a third process
-(``python -m lit_grpo serve``, one thread) samples the rollouts and rank 0 pushes the weights to it every step.
+(``python -m lit_grpo serve``, one thread) samples the rollouts and rank 0 pushes the weights to it every step;
+``server1`` is one trainer process and the server.
+
+``--max-staleness 0 1`` runs the server layouts synchronously (K = 0: the server idles while the trainer updates and
+the other way round) and asynchronously (K = 1: the server generates batch k + 1 while the trainer updates on batch
+k, ``data.max_staleness``), and prints each K's step time as a fraction of K = 0's.
 
 On a machine with few cores the processes share them (``--threads`` per process, default: cores / processes),
 so this measures the overhead of the layouts, not a speed-up: gradient all-reduce (DDP), parameter all-gathers
@@ -19,6 +24,7 @@ memory (``ru_maxrss``).
     python benchmarks/multiprocess_step.py                       # 1 warm-up + 3 measured steps per layout
     python benchmarks/multiprocess_step.py --layouts fsdp2 --steps 5
     python benchmarks/multiprocess_step.py --model tiny-random-llama --steps 2   # quick smoke test
+    python benchmarks/multiprocess_step.py --layouts server1 server --max-staleness 0 1 --threads 1 --steps 6
 
 Writes ``benchmarks/results/multiprocess_step.json`` and prints a table of medians.
 """
@@ -42,7 +48,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 OUTPUT = REPO_ROOT / "benchmarks" / "results" / "multiprocess_step.json"
-LAYOUTS = {"single": 1, "ddp": 2, "fsdp2": 2, "server": 2}
+LAYOUTS = {"single": 1, "ddp": 2, "fsdp2": 2, "server": 2, "server1": 1}
+SERVED = ("server", "server1")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores/procs)")
+    parser.add_argument("--max-staleness", type=int, nargs="+", default=[0],
+                        help="data.max_staleness values to run the server layouts with (K >= 1: asynchronous)")
     parser.add_argument("--output", type=Path, default=OUTPUT)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -70,6 +79,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from lit_grpo.data.datamodule import RolloutDataModule
     from lit_grpo.module import GRPOModule
+    from lit_grpo.optim import OptimizerArgs
 
     layout, world = args.worker, LAYOUTS[args.worker]
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
@@ -90,16 +100,18 @@ def worker(args: argparse.Namespace) -> None:
     timeout = timedelta(seconds=600)
     fsdp2 = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)
     strategy = {"single": "auto", "ddp": DDPStrategy(process_group_backend="gloo", timeout=timeout),
-                "fsdp2": fsdp2, "server": fsdp2}[layout]
-    # the server layout: the ranks send their prompts to the project's rollout server, rank 0 pushes the weights
-    engine = {"engine": "server", "engine_options": {"url": os.environ["LIT_GRPO_BENCH_URL"], "timeout_s": 120,
-                                                     "generate_timeout_s": 900}} if layout == "server" else {}
+                "fsdp2": fsdp2, "server": fsdp2, "server1": "auto"}[layout]
+    # the server layouts: the ranks send their prompts to the project's rollout server, rank 0 pushes the weights
+    engine = {"engine": "server", "max_staleness": args.max_staleness[0],
+              "engine_options": {"url": os.environ["LIT_GRPO_BENCH_URL"], "timeout_s": 120,
+                                 "generate_timeout_s": 900}} if layout in SERVED else {}
     timer = Timer()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy,
                         max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[WeightSync(), timer],
                         default_root_dir=str(REPO_ROOT / "benchmarks" / "results" / "lightning_logs"))
-    module = GRPOModule(model_name=args.model, beta=0.1, lr=1e-6, max_completion_length=args.max_new_tokens,
+    module = GRPOModule(model_name=args.model, beta=0.1, optimizer=OptimizerArgs(lr=1e-6),
+                        max_completion_length=args.max_new_tokens,
                         log_completions_every_n_steps=None)
     data = RolloutDataModule(prompts_per_step=args.prompts // world, num_generations=args.generations,
                              micro_batch_size=args.prompts // world * args.generations,
@@ -117,7 +129,7 @@ def free_port() -> int:
 
 
 def run_layout(layout: str, args: argparse.Namespace) -> list[dict]:
-    if layout != "server":
+    if layout not in SERVED:
         return run_ranks(layout, args, {})
     sys.path.insert(0, str(REPO_ROOT / "tests"))
     from server_process import ServerProcess
@@ -135,7 +147,7 @@ def run_ranks(layout: str, args: argparse.Namespace, extra_env: dict[str, str]) 
     world, port = LAYOUTS[layout], free_port()
     argv = [sys.executable, __file__, "--worker", layout, "--model", args.model, "--prompts", str(args.prompts),
             "--generations", str(args.generations), "--max-new-tokens", str(args.max_new_tokens),
-            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--max-staleness", str(args.max_staleness[0])]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     procs = []
@@ -164,15 +176,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     report = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "args": vars(args) | {
         "output": str(args.output)}, "layouts": {}}
-    print(f"{'layout':8} {'procs':>5} {'step s':>8} {'rollout s':>10} {'update s':>9} {'sync s':>7} "
+    print(f"{'layout':10} {'procs':>5} {'step s':>8} {'rollout s':>10} {'update s':>9} {'sync s':>7} "
           f"{'peak RSS MiB / process':>24}")
     for layout in args.layouts:
-        ranks = run_layout(layout, args)
-        med = {k: statistics.median(s[k] for s in ranks[0]["steps"]) for k in ("total", "rollout", "update", "sync")}
-        report["layouts"][layout] = {"ranks": ranks, "median": med}
-        rss = " / ".join(f"{r['peak_rss_mib']:,.0f}" for r in ranks)
-        print(f"{layout:8} {len(ranks):>5} {med['total']:>8.2f} {med['rollout']:>10.2f} {med['update']:>9.2f} "
-              f"{med['sync']:>7.3f} {rss:>24}", flush=True)
+        for k in args.max_staleness if layout in SERVED else [0]:
+            name = f"{layout}-K{k}" if layout in SERVED and args.max_staleness != [0] else layout
+            ranks = run_layout(layout, argparse.Namespace(**{**vars(args), "max_staleness": [k]}))
+            med = {key: statistics.median(s[key] for s in ranks[0]["steps"])
+                   for key in ("total", "rollout", "update", "sync")}
+            report["layouts"][name] = {"ranks": ranks, "median": med}
+            rss = " / ".join(f"{r['peak_rss_mib']:,.0f}" for r in ranks)
+            synchronous = report["layouts"].get(f"{layout}-K0", {}).get("median", {}).get("total")
+            ratio = f"  {med['total'] / synchronous:.2f}x K=0" if k and synchronous else ""
+            print(f"{name:10} {len(ranks):>5} {med['total']:>8.2f} {med['rollout']:>10.2f} {med['update']:>9.2f} "
+                  f"{med['sync']:>7.3f} {rss:>24}{ratio}", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))
 

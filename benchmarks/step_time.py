@@ -259,6 +259,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     from lit_grpo.data.datamodule import RolloutDataModule
     from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
     from lit_grpo.module import GRPOModule
+    from lit_grpo.optim import OptimizerArgs
 
     class StepRecorder(Callback):
         """Per-step logged metrics and loop wall time. The rollout runs in ``on_after_batch_transfer``, before
@@ -293,7 +294,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     indices, _ = prompt_rows(args)
     module = GRPOModule(
         model_name=args.model, dtype="float32", beta=args.beta, temperature=args.temperature,
-        max_completion_length=args.max_new_tokens, lr=args.lr,
+        max_completion_length=args.max_new_tokens, optimizer=OptimizerArgs(lr=args.lr),
         # equal work: TRL has no Theorem-1 monitor, whose after-update pass is one more no-grad forward
         monitor_tv_after_update=args.tv_monitor,
     )

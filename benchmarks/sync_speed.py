@@ -60,9 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def in_process(args: argparse.Namespace) -> dict:
     import torch
 
-    from lit_grpo.data.prompts import eos_token_ids
     from lit_grpo.engines.transformers_engine import TransformersEngine
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(args.model)
@@ -82,9 +81,9 @@ def rank_worker(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lit_grpo.distributed import GatherBuffer, full_named_parameters, fully_shard_model, rank0_buckets
-    from lit_grpo.engines.server_engine import ServerEngine
     from lit_grpo.models import load_model_and_tokenizer
-    from lit_grpo.weight_transfer import checksum
+    from lit_grpo.serving.client import ServerEngine
+    from lit_grpo.serving.weight_transfer import checksum
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

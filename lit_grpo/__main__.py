@@ -1,4 +1,6 @@
-from lit_grpo.cli import main
+"""``python -m lit_grpo``: the light dispatcher of :mod:`lit_grpo.commands` (Lightning loads only for training)."""
+
+from lit_grpo.commands import run
 
 if __name__ == "__main__":
-    main()
+    run()

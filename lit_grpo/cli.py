@@ -7,6 +7,10 @@ A bad value, in a config file, on the command line, in ``--ckpt_path`` or given 
 with one line on stderr, ``error: <what> (<where it came from>)``, and exit status 2, before any model is loaded
 where the value allows it (the data module is built before the model). ``LIT_GRPO_DEBUG=1`` shows the traceback
 instead. Errors raised once training has started keep their tracebacks.
+
+``python -m lit_grpo`` reaches this module only for training subcommands (:mod:`lit_grpo.commands` dispatches the
+tools without importing Lightning). What the error reporting needs from Lightning and jsonargparse beyond their
+documented API is in :mod:`lit_grpo.cli_hooks`.
 """
 
 from __future__ import annotations
@@ -14,15 +18,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-import os
 import re
 import sys
 import warnings
 from argparse import ArgumentError
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any
 
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -31,11 +33,13 @@ from lightning.pytorch.cli import LightningCLI
 
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
 from lit_grpo.checkpoints import Checkpoint, CheckpointError
+from lit_grpo.cli_hooks import build_model_last, key_of_parse_error, object_under_construction
+from lit_grpo.commands import DEBUG_ENV, TOOLS, UsageError, debug, fail, one_line, run_tool
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.module import GRPOModule
 from lit_grpo.precision import check_trainer_precision
 
-DEBUG_ENV = "LIT_GRPO_DEBUG"
+__all__ = ["DEBUG_ENV", "GRPOCLI", "TOOLS", "UsageError", "main", "one_line", "run"]
 # values of ckpt_path that Lightning resolves itself rather than reading a path
 _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 # what a constructor raises for a bad value (Lightning's Trainer raises MisconfigurationException)
@@ -44,17 +48,6 @@ _USAGE_ERRORS = (ValueError, TypeError, MisconfigurationException)
 _GROUPS: tuple[tuple[type, str], ...] = (
     (Callback, "trainer.callbacks"), (LightningDataModule, "data"), (LightningModule, "model"), (Trainer, "trainer"),
 )
-
-
-class UsageError(Exception):
-    """A bad value given by the person running the CLI: printed as one line, exit status 2."""
-
-    def __init__(self, what: str, where: str) -> None:
-        super().__init__(f"{one_line(what)} ({where})")
-
-
-def one_line(text: str) -> str:
-    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
 class _HeldBack:
@@ -118,7 +111,18 @@ class GRPOCLI(LightningCLI):
         self._argv = [str(a) for a in argv] if isinstance(argv, (list, tuple)) else (
             sys.argv[1:] if argv is None else [])
         self._checkpoint: Checkpoint | None = None
-        super().__init__(*args, **kwargs)
+        # "parsed" from the end of parse_arguments to before_instantiate_classes: LightningCLI parses the
+        # checkpoint's hyperparameters in between (lit_grpo.cli_hooks.HPARAMS_BETWEEN)
+        self._stage = "parsing"
+        try:
+            super().__init__(*args, **kwargs)
+        except ArgumentError as err:
+            if self._stage != "parsed":
+                raise
+            path = self._checkpoint.path if self._checkpoint is not None else "ckpt_path"
+            raise UsageError(
+                f"the hyperparameters in checkpoint {path} do not fit: {err}", self._where("ckpt_path")
+            ) from err
 
     def init_parser(self, **kwargs: Any):  # noqa: ANN201
         # parse errors are raised, not printed with the 80-line usage, so that main() prints them as one line
@@ -153,8 +157,8 @@ class GRPOCLI(LightningCLI):
             super().parse_arguments(parser, args)
         except ArgumentError as err:
             message = one_line(str(err))
-            match = re.search(r'[Kk]ey "([\w.]+)"', message)
-            raise UsageError(message, self._where(self._strip_subcommand(match.group(1)) if match else None)) from err
+            key = key_of_parse_error(message)
+            raise UsageError(message, self._where(self._strip_subcommand(key) if key else None)) from err
         ckpt_path = self._subcommand_config().get("ckpt_path") if self.config.get("subcommand") else None
         if ckpt_path and str(ckpt_path) not in _CKPT_KEYWORDS and "://" not in str(ckpt_path):
             # read it now: LightningCLI loads it next for its hyperparameters, with a traceback when it is bad
@@ -163,26 +167,16 @@ class GRPOCLI(LightningCLI):
             except CheckpointError as err:
                 raise UsageError(str(err), self._where("ckpt_path")) from err
         _held_back.start()
+        self._stage = "parsed"
 
-    def _parse_ckpt_path(self) -> None:
-        # LightningCLI reads the checkpoint's hyperparameters into the config (a private hook, kept narrow)
-        try:
-            super()._parse_ckpt_path()
-        except ArgumentError as err:
-            path = self._checkpoint.path if self._checkpoint is not None else "ckpt_path"
-            raise UsageError(
-                f"the hyperparameters in checkpoint {path} do not fit: {err}", self._where("ckpt_path")
-            ) from err
+    def before_instantiate_classes(self) -> None:
+        self._stage = "instantiating"
 
     def instantiate_classes(self) -> None:
-        # jsonargparse builds the groups of one depth in the order they were added: build the model last, so that
-        # a bad value of the data module or a callback group (cheap to build, and checking their values) fails
-        # before a model is loaded. Help and config dumps keep the order the groups were added in.
-        parser = self._parser(self.subcommand)
-        model_group = getattr(parser, "groups", {}).get("model")
-        if model_group in parser._action_groups:
-            parser._action_groups.remove(model_group)
-            parser._action_groups.append(model_group)
+        # build the model last, so that a bad value of the data module or a callback group (cheap to build, and
+        # checking their values) fails before a model is loaded
+        build_model_last(self._parser(self.subcommand))
+        self._check_no_second_weight_sync()
         precision = self._subcommand_config().get("trainer.precision")
         if precision is not None:
             try:  # the trainer is built after the model: check its precision before the model loads
@@ -203,6 +197,22 @@ class GRPOCLI(LightningCLI):
             raise UsageError(str(err), self._where(None)) from err
         if self._checkpoint is None:  # else held until the checkpoint is found to fit the model
             _held_back.stop(replay=True)
+
+    def _check_no_second_weight_sync(self) -> None:
+        # The `sync` section always adds a WeightSync; a second one under trainer.callbacks would make Lightning
+        # refuse two stateful callbacks of one type, with a message that does not say what to do.
+        for name in _callback_class_paths(self._subcommand_config().get("trainer.callbacks")):
+            module, _, attr = name.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError, ValueError):
+                continue  # jsonargparse has checked the path; nothing more to say here
+            if isinstance(cls, type) and issubclass(cls, WeightSync):
+                _held_back.stop(replay=False)
+                raise UsageError(
+                    f"a {cls.__name__} under trainer.callbacks would be a second one: the `sync` section already "
+                    f"adds the WeightSync callback; set its options there (e.g. sync.every_n_batches, sync.max_tv) "
+                    f"and remove {cls.__name__} from trainer.callbacks", self._where("trainer.callbacks", exact=True))
 
     def _check_checkpoint_fits(self) -> None:
         if self._checkpoint is None:
@@ -240,26 +250,24 @@ class GRPOCLI(LightningCLI):
 
     def _raised_by(self, err: BaseException) -> str | None:
         """The config key of the value an error from a constructor is about: the innermost object under
-        construction tells the group (model, data, trainer, a callback), the message the argument."""
-        owner, group = None, None
-        tb: TracebackType | None = err.__traceback__
-        while tb is not None:
-            obj = tb.tb_frame.f_locals.get("self")
-            for cls, name in _GROUPS:
-                if isinstance(obj, cls):
-                    owner, group = obj, name
-                    break
-            tb = tb.tb_next
+        construction tells the group (model, data, trainer, a callback, an option group such as
+        model.optimizer), the message the argument."""
+        # a class with its own config section (model, data, a callback group such as `sync`, a dataclass of
+        # options) is named by it
+        sections = {key: cls for key, group in getattr(self._parser(self.subcommand), "groups", {}).items()
+                    if isinstance(cls := getattr(group, "group_class", None), type)}
+        owner = object_under_construction(err, tuple(cls for cls, _ in _GROUPS) + tuple(sections.values()))
         if owner is None:
             return None
-        # a class with its own config section (model, data, a callback group such as `sync`) is named by it
-        sections = getattr(self._parser(self.subcommand), "groups", {})
-        group = next((k for k, g in sections.items() if getattr(g, "group_class", None) is type(owner)), group)
+        group = next((key for key, cls in sections.items() if cls is type(owner)), None) or next(
+            name for cls, name in _GROUPS if isinstance(owner, cls))
         message = str(err)
         params = [p for p in inspect.signature(type(owner).__init__).parameters.values()
                   if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        # an argument named alone or after its section's last part ("optimizer.lr"), not after another key's
+        leaf = re.escape(group.rpartition(".")[2])
         named = [(m.start(), p.name) for p in params
-                 if (m := re.search(rf"(?<![\w.]){re.escape(p.name)}(?!\w)", message))]
+                 if (m := re.search(rf"(?:(?<![\w.])|(?<=\b{leaf}\.)){re.escape(p.name)}(?!\w)", message))]
         if group == "trainer.callbacks":  # one of the trainer.callbacks list
             param = min(named)[1] if named else None
             return f"trainer.callbacks: {type(owner).__name__}" + (f".{param}" if param else "")
@@ -273,17 +281,31 @@ class GRPOCLI(LightningCLI):
                 return f"{group}.{p.name}"
         return group
 
-    def _where(self, key: str | None) -> str:
+    def _where(self, key: str | None, *, exact: bool = False) -> str:
+        """``key`` and where its value came from: the command line or the last config file setting it. A group
+        (``model``, a callback of trainer.callbacks) is named with all the sources, unless ``exact``."""
         files = _config_files(self._argv)
-        if key is None or key in dict(_GROUPS).values() or key.startswith("trainer.callbacks:"):
+        if key is None or not exact and (key in dict(_GROUPS).values() or key.startswith("trainer.callbacks:")):
             sources = ", ".join(files + ["the command line"]) if files else "the command line"
             return f"{key}, from {sources}" if key else f"from {sources}"
-        if any(a == f"--{key}" or a.startswith(f"--{key}=") for a in self._argv):
+        # `--key+=value` appends to a list (trainer.callbacks)
+        if any(a == f"--{key}" or a.startswith((f"--{key}=", f"--{key}+")) for a in self._argv):
             return f"{key}, on the command line"
         for path in reversed(files):  # a later --config overrides an earlier one
             if _sets(path, key, self.subcommands()):
                 return f"{key}, in {path}"
         return key
+
+
+def _callback_class_paths(callbacks: Any) -> list[str]:
+    """The ``class_path`` of each entry of a parsed ``trainer.callbacks`` value (a list, one entry, or None)."""
+    entries = callbacks if isinstance(callbacks, (list, tuple)) else [] if callbacks is None else [callbacks]
+    paths = []
+    for entry in entries:
+        path = entry.get("class_path") if hasattr(entry, "get") else None
+        if isinstance(path, str):
+            paths.append(path)
+    return paths
 
 
 def _chain(err: BaseException) -> list[BaseException]:
@@ -320,32 +342,13 @@ def _sets(path: str, key: str, subcommands: Any) -> bool:
     return False
 
 
-def _fail(err: BaseException) -> NoReturn:
-    print(f"error: {one_line(str(err))}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def _debug() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
-# subcommands that are not Trainer methods, by module (each has `main(argv)`)
-TOOLS = {"serve": "lit_grpo.server", "export": "lit_grpo.export", "eval": "lit_grpo.eval_command"}
-
-
 def main(args: list[str] | None = None) -> GRPOCLI | None:
     """Run the CLI on ``args`` (default: ``sys.argv[1:]``); returns the LightningCLI object of a training
     subcommand, None for ``serve``, ``export`` and ``eval``. A usage error exits with status 2 after one line on
     stderr."""
     argv = sys.argv[1:] if args is None else list(args)
-    if argv and argv[0] in TOOLS:  # not Trainer methods: dispatched before LightningCLI builds its parser
-        tool = importlib.import_module(TOOLS[argv[0]])
-        try:
-            tool.main(argv[1:])
-        except (ValueError, OSError) as err:  # CheckpointError is a ValueError
-            if _debug():
-                raise
-            _fail(UsageError(str(err), " ".join(argv)))
+    if argv and argv[0] in TOOLS:  # not Trainer methods: run as `python -m lit_grpo` runs them
+        run_tool(argv[0], argv[1:])
         return None
     # A checkpoint taken after a training step holds the state after all of that step's optimizer steps,
     # together with the data position and counters of the same moment: exactly what an exact resume needs.
@@ -353,10 +356,10 @@ def main(args: list[str] | None = None) -> GRPOCLI | None:
     try:
         return GRPOCLI(GRPOModule, RolloutDataModule, save_config_kwargs={"overwrite": True}, args=args)
     except (UsageError, ArgumentError) as err:
-        _held_back.stop(replay=_debug())
-        if _debug():
+        _held_back.stop(replay=debug())
+        if debug():
             raise
-        _fail(err if isinstance(err, UsageError) else UsageError(str(err), "arguments"))
+        fail(err if isinstance(err, UsageError) else UsageError(str(err), "arguments"))
     finally:
         _held_back.stop(replay=True)  # no-op once stopped
 

@@ -4,6 +4,9 @@ training.
 It runs :func:`lit_grpo.evaluation.evaluate_pass_at_k`, the implementation behind the ``GSM8KPassAtK`` callback,
 with the callback's defaults (judge, prompts, chunking and seeding), so the command and the callback report the
 same numbers for the same weights and settings. Prints a table and writes it as JSON.
+
+The parser is built before anything heavy is imported (torch, the data and evaluation modules are imported once
+the arguments parse), so that ``eval --help`` and a bad argument answer without loading them.
 """
 
 from __future__ import annotations
@@ -14,16 +17,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
-
-import torch
-
-from lit_grpo.checkpoints import CheckpointError
-from lit_grpo.data.gsm8k import load_gsm8k
-from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
-from lit_grpo.data.rewards import RewardRunner
-from lit_grpo.engines.base import SamplingConfig
-from lit_grpo.evaluation import PassAtKSettings, evaluate_pass_at_k
-from lit_grpo.models import load_model_and_tokenizer
 
 
 def parse_ks(text: str) -> tuple[int, ...]:
@@ -62,13 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--judge", default="correctness",
                         help="reward that decides correctness (> 0.5): a name or module:function")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     parser.add_argument("--output", default="pass_at_k.json", help="JSON file to write")
     return parser
 
 
 def load_policy(args: argparse.Namespace):  # noqa: ANN201 - (model, tokenizer)
     if args.model:
+        from lit_grpo.models import load_model_and_tokenizer
+
         return load_model_and_tokenizer(args.model, args.dtype)
     from lit_grpo.export import load_policy_from_checkpoint
 
@@ -80,8 +75,19 @@ def main(argv: Sequence[str]) -> dict:
     args = build_parser().parse_args(list(argv))
     if args.num_questions is not None and args.num_questions < 1:
         raise ValueError(f"--num_questions must be >= 1, got {args.num_questions}")
+    ks = parse_ks(args.ks)
+    import torch
+
+    from lit_grpo.checkpoints import CheckpointError
+    from lit_grpo.data.gsm8k import load_gsm8k
+    from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
+    from lit_grpo.data.rewards import RewardRunner
+    from lit_grpo.engines.base import SamplingConfig
+    from lit_grpo.evaluation import PassAtKSettings, evaluate_pass_at_k
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     settings = PassAtKSettings(
-        num_samples=args.num_samples, ks=parse_ks(args.ks),
+        num_samples=args.num_samples, ks=ks,
         sampling=SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p),
         questions_per_chunk=args.questions_per_chunk,
         system_prompt=None if args.no_system_prompt else DEFAULT_SYSTEM_PROMPT, seed=args.seed,
@@ -92,9 +98,9 @@ def main(argv: Sequence[str]) -> dict:
     if args.ckpt and not Path(args.ckpt).exists():
         raise CheckpointError(f"checkpoint {args.ckpt} does not exist")
     model, tokenizer = load_policy(args)
-    model.to(args.device)
+    model.to(device)
     start = time.perf_counter()
-    results = evaluate_pass_at_k(model, tokenizer, rows, settings, judge=judge, device=args.device)
+    results = evaluate_pass_at_k(model, tokenizer, rows, settings, judge=judge, device=device)
     seconds = time.perf_counter() - start
     report = {"source": args.model or args.ckpt, "dataset": args.dataset, "split": args.split,
               "questions": len(rows), "num_samples": args.num_samples, "temperature": args.temperature,

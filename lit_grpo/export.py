@@ -4,6 +4,9 @@ The directory holds the policy's weights (safetensors), ``config.json`` and the 
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``, ``vllm serve OUT_DIR`` or an evaluation harness take it as
 is. The reference model and the optimizer state stay behind. ``CKPT`` is a ``.ckpt`` file or a sharded
 checkpoint directory written by ``ModelParallelStrategy`` (see :mod:`lit_grpo.checkpoints`).
+
+torch, transformers and the checkpoint reader are imported by the functions that use them, after the arguments
+are parsed, so that ``export --help`` and a bad argument answer without loading them.
 """
 
 from __future__ import annotations
@@ -11,12 +14,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from torch import nn
-
-from lit_grpo.checkpoints import Checkpoint, CheckpointError
-from lit_grpo.models import load_model_and_tokenizer
+if TYPE_CHECKING:
+    from torch import nn
 
 POLICY_PREFIX = "policy."  # GRPOModule keeps the policy in `self.policy`
 
@@ -35,6 +36,9 @@ def load_policy_from_checkpoint(checkpoint: str | Path):  # noqa: ANN201 - (mode
     with :func:`lit_grpo.models.load_model_and_tokenizer`, then given the checkpoint's policy weights. Raises
     :class:`CheckpointError` (a ``ValueError``) naming the file when it cannot be read or does not fit.
     """
+    from lit_grpo.checkpoints import Checkpoint, CheckpointError
+    from lit_grpo.models import load_model_and_tokenizer
+
     ckpt = Checkpoint(checkpoint)
     hp = ckpt.hyper_parameters
     model_name = hp.get("model_name")
@@ -68,11 +72,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # one line, raised to the caller, like the rest of the CLI's usage errors (argparse would print usage)
-        raise CheckpointError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
+        raise ValueError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
 
 
-def main(argv: Sequence[str]) -> Path:
-    """The ``export`` subcommand; errors are raised for the CLI to print."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``export`` arguments (no heavy import: ``--help`` prints from here)."""
     parser = _Parser(
         prog="python -m lit_grpo export",
         description="Write the policy of a checkpoint as a Hugging Face model directory "
@@ -80,7 +84,12 @@ def main(argv: Sequence[str]) -> Path:
     )
     parser.add_argument("checkpoint", help="a .ckpt file, or a sharded checkpoint directory (ModelParallelStrategy)")
     parser.add_argument("out_dir", help="directory to write (created if needed; files of the same name are replaced)")
-    args = parser.parse_args(list(argv))
+    return parser
+
+
+def main(argv: Sequence[str]) -> Path:
+    """The ``export`` subcommand; errors are raised for the CLI to print."""
+    args = build_parser().parse_args(list(argv))
     out = export_checkpoint(args.checkpoint, args.out_dir)
     print(f"wrote {out}")
     return out

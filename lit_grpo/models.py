@@ -12,14 +12,20 @@ Aliases:
   only ~20 % of the time, so GRPO has room to improve it on a CPU in minutes (see ``lit_grpo.warm_start``);
   trained on first use (one thread, seeded, ~2-3 minutes) and cached under ``$LIT_GRPO_CACHE``.
 
+Each alias is named in :data:`ALIAS_LOADERS` by the import path of its loader, resolved when the alias is asked
+for. A recipe that builds its model by training (``lit_grpo.warm_start``) uses this module (the tokenizer, the
+cache folder), so it sits above it: this module never imports it, and the import graph has no circle.
+
 Anything else is passed to ``from_pretrained``: a local directory or a Hub id such as
 ``Qwen/Qwen2.5-0.5B-Instruct`` (needs network unless already in the Hub cache).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,7 +40,14 @@ from transformers import (
 )
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ALIASES = ("smollm2-135m-instruct", "tiny-random-llama", "arith-tiny-sft")
+#: alias -> ``module:function`` of its loader, called with the torch dtype, returning ``(model, tokenizer)``
+ALIAS_LOADERS: dict[str, str] = {
+    "smollm2-135m-instruct": "lit_grpo.models:load_smollm2",
+    "tiny-random-llama": "lit_grpo.models:load_tiny_random_llama",
+    # small Llama warm-started on synthetic:add_2digit, trained on first use
+    "arith-tiny-sft": "lit_grpo.warm_start:load_arith_tiny_sft",
+}
+ALIASES = tuple(ALIAS_LOADERS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CHATML_TEMPLATE = (
@@ -43,7 +56,8 @@ CHATML_TEMPLATE = (
 )
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where converted or trained alias weights are kept: ``$LIT_GRPO_CACHE``, default ``~/.cache/lit_grpo``."""
     return Path(os.environ.get("LIT_GRPO_CACHE", Path.home() / ".cache" / "lit_grpo"))
 
 
@@ -94,8 +108,15 @@ def smollm2_gguf_dir() -> Path:
     return folder
 
 
-def _load_smollm2(dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    cached = _cache_dir() / "smollm2-135m-instruct"
+def load_tiny_random_llama(dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The ``tiny-random-llama`` alias: :func:`tiny_llama` (seed 0) with :func:`tiny_tokenizer`."""
+    tokenizer = tiny_tokenizer()
+    return tiny_llama(len(tokenizer)).to(dtype), tokenizer
+
+
+def load_smollm2(dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The ``smollm2-135m-instruct`` alias: from the cache, else converted from the packaged GGUF file."""
+    cached = cache_dir() / "smollm2-135m-instruct"
     if (cached / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype), AutoTokenizer.from_pretrained(cached)
     folder = smollm2_gguf_dir()
@@ -120,15 +141,8 @@ def load_model_and_tokenizer(name: str, dtype: str = "float32") -> tuple[PreTrai
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
-    if name == "tiny-random-llama":
-        tokenizer = tiny_tokenizer()
-        return tiny_llama(len(tokenizer)).to(torch_dtype), tokenizer
-    if name == "arith-tiny-sft":  # small Llama warm-started on synthetic:add_2digit (lit_grpo.warm_start)
-        from lit_grpo.warm_start import load_warm_started
-
-        return load_warm_started(dtype=torch_dtype)
-    if name == "smollm2-135m-instruct":
-        model, tokenizer = _load_smollm2(torch_dtype)
+    if name in ALIAS_LOADERS:
+        model, tokenizer = alias_loader(name)(torch_dtype)
     else:
         looks_like_path = name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]
         if looks_like_path and not Path(name).expanduser().exists():
@@ -146,6 +160,12 @@ def load_model_and_tokenizer(name: str, dtype: str = "float32") -> tuple[PreTrai
     return model, tokenizer
 
 
+def alias_loader(name: str) -> Callable[[torch.dtype], tuple[PreTrainedModel, PreTrainedTokenizerBase]]:
+    """The loader function of an alias, imported from its ``module:function`` path in :data:`ALIAS_LOADERS`."""
+    module, _, function = ALIAS_LOADERS[name].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     """RL ratios must compare the same function: no dropout in policy, reference or rollout copies."""
     for module in model.modules():
@@ -155,3 +175,19 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if config is not None and isinstance(getattr(config, key, None), float):
             setattr(config, key, 0.0)
+
+
+def eos_token_ids(tokenizer, model=None) -> list[int]:  # noqa: ANN001
+    """End-of-sequence ids: the tokenizer's and those of the model's generation config (e.g. Qwen's two)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_config = getattr(model, "generation_config", None)
+    extra = getattr(generation_config, "eos_token_id", None)
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra:
+        ids.update(int(t) for t in extra)
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token_id; set one so completions can end")
+    return sorted(ids)

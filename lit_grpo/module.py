@@ -29,12 +29,18 @@ from lit_grpo.distributed import (
     sum_over_ranks,
 )
 from lit_grpo.flops import model_flops_utilisation, parameter_count, peak_flops_for, processed_tokens, update_flops
-from lit_grpo.math.aggregation import AGGREGATION_MODES, token_weights
-from lit_grpo.math.rec import POLICY_LOSSES, make_loss_config, red_drop_advantages
+from lit_grpo.losses import LossOptions, build_loss, check_loss_output
+from lit_grpo.math.aggregation import (
+    AGGREGATION_MODES,
+    token_weights,
+    zero_variance_dropped_weights,
+    zero_variance_masked_weights,
+)
 from lit_grpo.math.tv import logprob_gap, tv_estimate
 from lit_grpo.model_copies import frozen_copy
 from lit_grpo.models import disable_dropout, load_model_and_tokenizer
-from lit_grpo.optim import SCHEDULES, build_optimizer
+from lit_grpo.optim import OptimizerArgs, build_optimizer
+from lit_grpo.option_groups import as_group, plain
 from lit_grpo.precision import check_trainer_precision, check_weights_dtype
 from lit_grpo.scoring import completion_logprobs
 
@@ -44,23 +50,26 @@ class GRPOModule(L.LightningModule):
 
     Args:
         model_name: alias (``smollm2-135m-instruct``, ``tiny-random-llama``), local directory or Hub id.
-        beta: KL weight; 0 loads no reference model.
-        eps_low, eps_high: clip half-widths of eq. 6 (``eps_high`` defaults to ``eps_low``).
-        exact_ref_ratio: use r' = pi_k / alpha in eq. 6 instead of the paper's practical r' = 1.
-        ratio_cap: truncated importance sampling, ``pi/alpha <= ratio_cap``.
-        mask_zero_variance: drop groups whose rewards are all equal (eq. 8).
+        beta: KL weight, for every loss; 0 loads no reference model.
+        mask_zero_variance: eq. 8 as the paper writes it: groups whose rewards are all equal contribute zero
+            (surrogate and KL term) but keep their place in the aggregation's denominator.
+        drop_zero_variance: the DAPO-style alternative: such groups leave the batch, denominators included, so
+            every kept token weighs 1 / (1 - flat fraction) more (``token_mean``, ``seq_mean_token_mean``).
+            Exclusive with ``mask_zero_variance``.
         loss_aggregation: ``token_mean``, ``seq_mean_token_mean`` or ``constant`` (Dr.GRPO).
         iterations_per_batch: i, optimizer steps on each rollout batch.
         temperature: sampling temperature (linked from the data module by the CLI).
         max_completion_length: normaliser of the ``constant`` aggregation (linked from ``max_new_tokens``).
         log_completions_every_n_steps: write one sampled completion per group, with its reward, to TensorBoard
             as text every N training steps (None: never).
-        loss: the policy loss, ``grpo`` (eq. 6/7, the default) or one of the REC / RED / REP family of
+        optimizer: AdamW and its schedule (``lr``, ``weight_decay``, ``betas``, ``warmup_steps``, ``schedule``).
+        loss: the policy loss, ``grpo`` (eq. 6/7, the default), one of the REC / RED / REP family of
             group-relative REINFORCE (``rec_oneside_nois``, ``rec_oneside_is``, ``rec_twoside_is``, ``rec_ring``,
-            ``red_drop``, ``red_weight``, ``opmd``, ``asymre``; see ``lit_grpo.math.rec``). ``eps_low``,
-            ``eps_high`` and ``beta`` apply to all; ``exact_ref_ratio`` and ``ratio_cap`` to ``grpo`` only.
-        loss_options: the REC family's other knobs (``ring_eps_low``, ``ring_eps_high``, ``tau``,
-            ``red_weight_temperature``).
+            ``red_drop``, ``red_weight``, ``opmd``, ``asymre``; see ``lit_grpo.math.rec``), or your own as
+            ``package.module:function`` (the contract: ``lit_grpo.losses``).
+        loss_options: the losses' options, one section per loss (``loss_options.grpo.eps_low``,
+            ``loss_options.rec_ring.ring_eps_low``, ...; ``loss_options.custom`` for your own loss); only the
+            section of ``loss`` may differ from its defaults.
         monitor_tv_after_update: measure TV(pi, alpha) after the batch's last optimizer step with one extra
             no-grad pass over the batch (Theorem 1 monitor, ``tv/pi_alpha``); off: no extra pass, and
             ``tv/pi_alpha`` is measured at the last iteration's forward, before its optimizer step.
@@ -74,26 +83,19 @@ class GRPOModule(L.LightningModule):
         model_name: str,
         dtype: str = "float32",
         beta: float = 0.0,
-        eps_low: float = 0.2,
-        eps_high: float | None = None,
-        exact_ref_ratio: bool = False,
-        ratio_cap: float | None = None,
         mask_zero_variance: bool = False,
+        drop_zero_variance: bool = False,
         loss_aggregation: str = "token_mean",
         iterations_per_batch: int = 1,
         temperature: float = 1.0,
         max_completion_length: int = 200,
-        lr: float = 1e-6,
-        weight_decay: float = 0.0,
-        adam_betas: tuple[float, float] = (0.9, 0.999),
-        warmup_steps: int = 0,
-        lr_schedule: str = "constant",
+        optimizer: OptimizerArgs = OptimizerArgs(),  # noqa: B008 (frozen: a shared default is safe)
         gradient_clip_val: float | None = 1.0,
         gradient_checkpointing: bool = False,
         log_entropy: bool = True,
         log_completions_every_n_steps: int | None = 50,
         loss: str = "grpo",
-        loss_options: dict[str, float] | None = None,
+        loss_options: LossOptions = LossOptions(),  # noqa: B008 (frozen)
         monitor_tv_after_update: bool = True,
         peak_flops: float | None = None,
     ) -> None:
@@ -107,19 +109,19 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if loss_aggregation not in AGGREGATION_MODES:
             raise ValueError(f"unknown loss_aggregation {loss_aggregation!r}; expected one of {AGGREGATION_MODES}")
-        if lr_schedule not in SCHEDULES:
-            raise ValueError(f"unknown lr_schedule {lr_schedule!r}; expected one of {SCHEDULES}")
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
+        if mask_zero_variance and drop_zero_variance:
+            raise ValueError("mask_zero_variance (eq. 8) and drop_zero_variance (DAPO-style) are both true; expected "
+                             "at most one: they are two ways of leaving zero-variance groups out of the loss")
         if max_completion_length < 1:
             raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
-        options = dict(eps_low=eps_low, eps_high=eps_low if eps_high is None else eps_high, beta=beta)
-        # GRPO-only knobs are passed only when set, so a REC loss given one fails loudly instead of ignoring it
-        options.update({"exact_ref_ratio": True} if exact_ref_ratio else {})
-        options.update({"ratio_cap": ratio_cap} if ratio_cap is not None else {})
-        self.loss_config = make_loss_config(loss, **options, **(loss_options or {}))
-        self.loss_fn = POLICY_LOSSES[loss]
-        check_weights_dtype(dtype, lr)
+        self.optimizer_args = as_group(OptimizerArgs, optimizer, "optimizer")
+        # the loss is resolved and its options checked now, so a bad name, path or option fails before a model loads
+        self.policy_loss = build_loss(loss, loss_options, beta)
+        self.loss_fn, self.loss_config = self.policy_loss.fn, self.policy_loss.config
+        check_weights_dtype(dtype, self.optimizer_args.lr)
+        # a checkpoint keeps the groups as plain dicts (it is read with torch.load(weights_only=True));
+        # save_hyperparameters reads the arguments from this frame, so they are rebound to those dicts first
+        optimizer, loss_options = plain(self.optimizer_args), plain(as_group(LossOptions, loss_options, "loss_options"))
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.policy, self.tokenizer = load_model_and_tokenizer(model_name, dtype)
@@ -206,14 +208,11 @@ class GRPOModule(L.LightningModule):
 
     # ---- optimisation -------------------------------------------------------------------------------
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
+        args = self.optimizer_args
         total = None
-        if self.trainer is not None and hp.lr_schedule != "constant":
+        if self.trainer is not None and args.schedule != "constant":
             total = self.trainer.max_steps if self.trainer.max_steps > 0 else None
-        optimizer, scheduler = build_optimizer(
-            self.policy.parameters(), hp.lr, hp.weight_decay, tuple(hp.adam_betas), hp.warmup_steps, total,
-            hp.lr_schedule,
-        )
+        optimizer, scheduler = build_optimizer(self.policy.parameters(), args, total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -224,26 +223,21 @@ class GRPOModule(L.LightningModule):
         max_norm = self.hparams.gradient_clip_val or float("inf")  # None or 0: measure only
         self._grad_norms.append(clip_grad_norm(self.policy, max_norm).detach())
 
-    def red_drop(self, batch: RolloutBatch) -> torch.Tensor:
-        """RED-Drop shapes the data: recompute the advantages on a balanced subset of each group and drop the
-        rest from the loss (their tokens leave the loss weights, as eq. 8's groups do). Seeded by batch and rank,
-        so a resumed run drops the same samples. Returns the ``[S]`` keep mask."""
-        rank, _ = rank_and_world()
-        generator = torch.Generator().manual_seed(batch.batch_index * 1_000_003 + rank)
-        advantages, keep = red_drop_advantages(batch.rewards.view(-1, batch.group_size).cpu(), generator,
-                                               eps=batch.advantage_eps, scale=batch.scale_rewards)
-        batch.advantages = advantages.view(-1).to(batch.advantages.device)
-        return keep.view(-1).to(batch.completion_mask.device, torch.float32)
-
     def loss_weights(self, batch: RolloutBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``[S, C]`` per-token weights of the whole rollout batch (``lit_grpo.math.aggregation``): eq. 7, eq. 8
+        as written with ``mask_zero_variance``, or DAPO-style with ``drop_zero_variance``. ``keep`` (RED-Drop's
+        subset) removes rows from the batch, denominators included."""
         mask = batch.completion_mask.float()
         if keep is not None:
             mask = mask * keep.unsqueeze(-1)
-        if self.hparams.mask_zero_variance:
-            mask = mask * batch.group_mask.unsqueeze(-1)
+        hp = self.hparams
         # denominators over the global batch (all ranks), so the sum of the ranks' losses is the one-process loss
-        return token_weights(mask, self.hparams.loss_aggregation, self.hparams.max_completion_length,
-                             global_sum=sum_over_ranks)
+        args = (hp.loss_aggregation, hp.max_completion_length, sum_over_ranks)
+        if hp.mask_zero_variance:
+            return zero_variance_masked_weights(mask, batch.group_mask, *args)
+        if hp.drop_zero_variance:
+            return zero_variance_dropped_weights(mask, batch.group_mask, *args)
+        return token_weights(mask, *args)
 
     @torch.no_grad()
     def reference_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor | None]:
@@ -259,7 +253,9 @@ class GRPOModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         staleness = self.global_step - batch.rollout_step
         start = time.perf_counter()
-        keep = self.red_drop(batch) if hp.loss == "red_drop" else None
+        # a loss that shapes the batch (RED-Drop's balanced subset) says so through its hook: a [S] keep mask
+        shape_batch = self.policy_loss.shape_batch
+        keep = shape_batch(batch, rank_and_world()[0]) if shape_batch is not None else None
         weights = self.loss_weights(batch, keep)
         micro_batches = list(batch.micro_batches())
         ref_logps = self.reference_logprobs(micro_batches)
@@ -307,11 +303,11 @@ class GRPOModule(L.LightningModule):
         logp, entropy = completion_logprobs(self.policy, mb, hp.temperature, with_entropy=hp.log_entropy and first)
         pik_logp = logp.detach() if first else pik_logp
         alpha_logp = pik_logp if batch.alpha_logp is None else mb.take(batch.alpha_logp)
-        loss, stats = self.loss_fn(
+        loss, stats = check_loss_output(self.policy_loss.name, self.loss_fn(
             logp=logp, alpha_logp=alpha_logp, advantages=mb.take(batch.advantages),
             weights=mb.take(weights), mask=mb.completion_mask, config=self.loss_config,
             pik_logp=pik_logp, ref_logp=ref_logp,
-        )
+        ))
         # Theorem 1 monitor: TV(pi_k, alpha) at the first iteration, TV(pi, alpha) at the last one
         if first:
             stats.update(first_iteration_stats(pik_logp, alpha_logp, mb.completion_mask, entropy))
@@ -353,6 +349,8 @@ class GRPOModule(L.LightningModule):
         for key, value in batch.stats.items():
             if key.endswith("_seconds"):
                 local[f"rollout/{key}_max"] = value
+            elif key.endswith("_max"):
+                local[f"rollout/{key}_max"] = value  # a maximum over the ranks (staleness_max), logged as named
             elif key in rollout_counts:
                 local[f"rollout/{key}"] = value
             else:

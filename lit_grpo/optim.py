@@ -1,21 +1,55 @@
-"""AdamW with linear warmup, then constant, linear or cosine decay."""
+"""AdamW with linear warmup, then constant, linear or cosine decay: one option group, :class:`OptimizerArgs`."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 SCHEDULES = ("constant", "linear", "cosine")
 
 
+@dataclass(frozen=True)
+class OptimizerArgs:
+    """The optimizer's settings (``model.optimizer`` in a config; ``--model.optimizer.lr`` on the command line).
+
+    Args:
+        lr: peak learning rate of AdamW, reached after the warmup.
+        weight_decay: AdamW's decoupled weight decay.
+        betas: AdamW's (beta1, beta2), each in [0, 1).
+        warmup_steps: optimizer steps of linear warmup from lr / warmup_steps to lr (0: none).
+        schedule: after the warmup, ``constant``, or ``linear`` / ``cosine`` decay to 0 at ``trainer.max_steps``.
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"optimizer.lr must be a finite number > 0, got {self.lr!r}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"optimizer.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown optimizer.schedule {self.schedule!r}; expected one of {SCHEDULES}")
+
+
 def warmup_lambda(warmup_steps: int, total_steps: int | None, schedule: str) -> Callable[[int], float]:
     """Multiplier of the base learning rate at optimizer step ``s`` (0-based)."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown lr_schedule {schedule!r}; expected one of {SCHEDULES}")
+        raise ValueError(f"unknown optimizer.schedule {schedule!r}; expected one of {SCHEDULES}")
     if schedule != "constant" and not total_steps:
-        raise ValueError(f"lr_schedule={schedule!r} needs a known number of optimizer steps (set trainer.max_steps)")
+        raise ValueError(f"optimizer.schedule={schedule!r} needs a known number of optimizer steps "
+                         "(set trainer.max_steps)")
 
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -29,9 +63,10 @@ def warmup_lambda(warmup_steps: int, total_steps: int | None, schedule: str) -> 
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, betas: tuple[float, float],
-    warmup_steps: int, total_steps: int | None, schedule: str,
+    params: Iterable[torch.nn.Parameter], args: OptimizerArgs, total_steps: int | None,
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(warmup_steps, total_steps, schedule))
-    return optimizer, scheduler
+    """AdamW over ``params`` and its warmup-then-schedule multiplier; ``total_steps`` (``trainer.max_steps``) is
+    needed by the decaying schedules only."""
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=tuple(args.betas))
+    factor = warmup_lambda(args.warmup_steps, total_steps, args.schedule)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

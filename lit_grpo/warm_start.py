@@ -16,9 +16,16 @@ and training on solutions with injected arithmetic slips (the noise slowed the s
 and a noisy phase after clean training erased what the model knew).)
 
 The weights are a pure function of :class:`WarmStartConfig` (seeded data order and init; trained on one thread,
-so they do not depend on the machine's core count), built on first use (about 2-3 minutes on one core) and cached
-under ``$LIT_GRPO_CACHE`` (default ``~/.cache/lit_grpo``) in a folder keyed by a hash of the config, so later
-runs load them in a second.
+so they do not depend on the machine's core count), the training data, and the numerics of the libraries and CPU
+that train them. They are built on first use (about 2-3 minutes on one core) and cached under ``$LIT_GRPO_CACHE``
+(default ``~/.cache/lit_grpo``) in a folder keyed by :func:`cache_key`: a hash of the config, of the training data
+as the model sees it (:func:`training_data_digest`: problems, worked answers, prompt template, tokenizer), and of
+:func:`build_environment` (torch and transformers versions, the CPU instruction set torch dispatches to), so a
+change to any of them trains a fresh model instead of loading a stale one. Later runs load them in a second.
+``warm_start.json`` in the folder records all of these and :func:`weights_fingerprint` of the weights.
+
+The recipe sits above model loading: it builds on :mod:`lit_grpo.models` (the character tokenizer, the cache
+folder), and the ``arith-tiny-sft`` alias there names :func:`load_arith_tiny_sft` by its import path.
 """
 
 from __future__ import annotations
@@ -27,7 +34,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import random
 import shutil
 import tempfile
@@ -40,6 +46,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lit_grpo.data.prompts import prompt_ids
 from lit_grpo.data.synthetic import generate_problems, worked_answer
+from lit_grpo.models import cache_dir, tiny_tokenizer
 
 #: bump when the training recipe changes in a way the config does not capture, to invalidate old caches
 RECIPE_VERSION = 1
@@ -73,8 +80,52 @@ class WarmStartConfig:
             raise ValueError(f"stop_after must lie in [1, steps={self.steps}] or be None, got {self.stop_after}")
 
     def key(self) -> str:
-        payload = json.dumps({"recipe": RECIPE_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+        """The cache key of this config in this environment (:func:`cache_key`)."""
+        return cache_key(self, build_environment(), training_data_digest(self))
+
+
+def build_environment() -> dict[str, str]:
+    """What, besides the config and the data, changes the trained weights: the torch and transformers versions
+    (kernels, Llama's initialisation) and the CPU instruction set torch's kernels dispatch to (AVX2 and AVX-512
+    reductions round differently). The thread count does not: training runs on one thread."""
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def training_data_digest(config: WarmStartConfig) -> str:
+    """SHA-256 of the training data as the model sees it: every train problem's question and worked answer, the
+    tokenizer's vocabulary, special tokens and chat template, and the prompt ids of the first question (so a
+    change to the generator, the answer format, the prompt template or the tokenizer changes the digest)."""
+    tokenizer = tiny_tokenizer()
+    problems = generate_problems(config.task, config.data_seed)["train"]
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "template": tokenizer.chat_template,
+                              "specials": tokenizer.all_special_tokens,
+                              "first_prompt": prompt_ids(tokenizer, problems[0].question, None)}).encode())
+    for problem in problems:
+        digest.update(f"{problem.question}\x00{worked_answer(problem.columns())}\x00".encode())
+    return digest.hexdigest()
+
+
+def cache_key(config: WarmStartConfig, environment: dict[str, str], data_digest: str) -> str:
+    """12 hex digits of SHA-256 over the recipe version, every config field, the environment and the data
+    digest: equal keys mean the same training run, so the cached weights are the ones it would train now."""
+    payload = json.dumps({"recipe": RECIPE_VERSION, **dataclasses.asdict(config), "environment": environment,
+                          "data": data_digest}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter and buffer (name, dtype, shape, bytes, in name order): equal fingerprints
+    mean bit-identical weights, so two runs can tell whether they started from the same model."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().contiguous().cpu()
+        digest.update(f"{name}:{data.dtype}:{tuple(data.shape)}:".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 #: the config behind the ``arith-tiny-sft`` alias
@@ -128,8 +179,6 @@ def train_warm_start(
     split (the test split is never seen). Prompts are the ones
     GRPO and Pass@k build: the chat template with no system prompt (``data.system_prompt: null``).
     ``on_step(step, model, loss)`` is called after every optimizer step (for probes; it must not train)."""
-    from lit_grpo.models import tiny_tokenizer
-
     tokenizer = tiny_tokenizer()
     model = build_model(config, len(tokenizer))
     problems = generate_problems(config.task, config.data_seed)["train"]
@@ -163,20 +212,14 @@ def train_warm_start(
     return model, tokenizer
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("LIT_GRPO_CACHE", Path.home() / ".cache" / "lit_grpo"))
-
-
 def cached_dir(config: WarmStartConfig = ARITH_TINY_SFT) -> Path:
-    return _cache_root() / f"arith-tiny-sft-{config.key()}"
+    return cache_dir() / f"arith-tiny-sft-{config.key()}"
 
 
 def load_warm_started(config: WarmStartConfig = ARITH_TINY_SFT, dtype: torch.dtype = torch.float32,
                       log: Callable[[str], None] | None = print) -> tuple[LlamaForCausalLM, object]:
     """``(model, tokenizer)`` warm-started with ``config``: from the cache, or trained now on one thread (a few
     minutes) and cached for the next run. The cached folder is a plain Hugging Face model directory."""
-    from lit_grpo.models import tiny_tokenizer
-
     folder = cached_dir(config)
     if (folder / "config.json").exists():
         return LlamaForCausalLM.from_pretrained(folder, dtype=dtype), tiny_tokenizer()
@@ -194,7 +237,9 @@ def load_warm_started(config: WarmStartConfig = ARITH_TINY_SFT, dtype: torch.dty
         staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / "warm_start.json").write_text(json.dumps(dataclasses.asdict(config), indent=1) + "\n")
+        record = {**dataclasses.asdict(config), "recipe": RECIPE_VERSION, "environment": build_environment(),
+                  "data": training_data_digest(config), "fingerprint": weights_fingerprint(model)}
+        (staging / "warm_start.json").write_text(json.dumps(record, indent=1) + "\n")
         try:
             staging.rename(folder)  # atomic: a concurrent run sees no folder or a complete one
         except OSError:
@@ -202,3 +247,8 @@ def load_warm_started(config: WarmStartConfig = ARITH_TINY_SFT, dtype: torch.dty
     except OSError:
         pass  # read-only cache: keep working without it
     return model.to(dtype), tokenizer
+
+
+def load_arith_tiny_sft(dtype: torch.dtype) -> tuple[LlamaForCausalLM, object]:
+    """The ``arith-tiny-sft`` alias of :func:`lit_grpo.models.load_model_and_tokenizer`: :data:`ARITH_TINY_SFT`."""
+    return load_warm_started(ARITH_TINY_SFT, dtype=dtype)

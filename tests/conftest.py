@@ -17,6 +17,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 from lit_grpo.data.datamodule import RolloutDataModule  # noqa: E402
 from lit_grpo.module import GRPOModule  # noqa: E402
+from lit_grpo.optim import OptimizerArgs  # noqa: E402
 
 TOY_REWARD = "toy_rewards:digit_fraction"
 
@@ -31,8 +32,11 @@ class MetricsRecorder(Callback):
         self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def tiny_module(**overrides) -> GRPOModule:
-    kwargs = dict(model_name="tiny-random-llama", lr=1e-3, temperature=1.0, max_completion_length=8)
+def tiny_module(lr: float = 1e-3, **overrides) -> GRPOModule:
+    """The tiny model's module; ``lr`` is shorthand for ``optimizer=OptimizerArgs(lr=lr)`` (an explicit
+    ``optimizer`` wins)."""
+    kwargs = dict(model_name="tiny-random-llama", optimizer=OptimizerArgs(lr=lr), temperature=1.0,
+                  max_completion_length=8)
     kwargs.update(overrides)
     return GRPOModule(**kwargs)
 

@@ -27,7 +27,8 @@ from lit_grpo.flops import parameter_count
 KEYS = ("train/loss", "train/kl", "rollout/reward_mean", "rollout/reward_std", "rollout/frac_zero_variance",
         "rollout/generated_tokens", "train/staleness", "train/ratio_first_iteration_min",
         "train/ratio_first_iteration_max", "train/ratio_mean", "train/clip_low_fraction", "train/entropy",
-        "train/grad_norm", "train/update_flops")
+        "train/grad_norm", "train/update_flops", "rollout/staleness_mean", "rollout/staleness_max",
+        "rollout/mixed_versions", "rollout/producer_waits")
 #: gradient reductions this process made in the current job (DDP comm-hook calls, FSDP2 reduce-scatters)
 REDUCTIONS = {"count": 0}
 
@@ -85,6 +86,30 @@ class RecordRows:
         self.drawn = getattr(self, "drawn", []) + [list(prompt_batch.rows)]
         return super().rollout(prompt_batch)
 
+    def take_async(self, prompt_batch):  # noqa: ANN001, ANN201
+        self.drawn = getattr(self, "drawn", []) + [list(prompt_batch.rows)]
+        return super().take_async(prompt_batch)
+
+    def assemble(self, prompt_batch, groups, generate_seconds, sampled_step):  # noqa: ANN001, ANN201
+        """Also remember the weight versions a rollout server reported for the batch's completions."""
+        versions = sorted({int(v) for g in groups for c in g for v in c.versions})
+        self.versions = getattr(self, "versions", []) + [versions]
+        return super().assemble(prompt_batch, groups, generate_seconds, sampled_step)
+
+
+class PushedVersions(Callback):
+    """The weight version the rollout engine reports after WeightSync's push at the start and after each batch
+    (WeightSync comes first in the list): the versions the server really held."""
+
+    def __init__(self) -> None:
+        self.versions: list[int] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.versions.append(int(trainer.datamodule.rollout_engine.synced_step))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.versions.append(int(trainer.datamodule.rollout_engine.synced_step))
+
 
 class RealData(RecordRows, RolloutDataModule):
     pass
@@ -101,7 +126,7 @@ class EngineVsPolicy(MetricsRecorder):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         engine = trainer.datamodule.rollout_engine
         if hasattr(engine, "weight_checksums"):  # a rollout server: compare its SHA-256 of every parameter
-            from lit_grpo.weight_transfer import checksum
+            from lit_grpo.serving.weight_transfer import checksum
 
             full = {name: checksum(t) for name, t in full_named_parameters(pl_module.policy)}
             same = all(served == full for served in engine.weight_checksums().values())
@@ -149,7 +174,8 @@ def run_job(job: dict, workdir: str) -> dict:
     torch.set_num_threads(1)
     world = int(job.get("world", 1))
     recorder = MetricsRecorder()
-    callbacks = [WeightSync(every_n_batches=job.get("v", 1))]
+    pushed = PushedVersions()
+    callbacks = [WeightSync(every_n_batches=job.get("v", 1)), pushed]
     if job.get("swap_every"):
         callbacks.append(RefModelSwap(every_n_optimizer_steps=job["swap_every"]))
     compare = EngineVsPolicy() if job.get("compare_engine") else None
@@ -188,6 +214,8 @@ def run_job(job: dict, workdir: str) -> dict:
     return {
         "steps": [{k: s[k] for k in KEYS if k in s} for s in recorder.steps],
         "drawn": getattr(data, "drawn", []),
+        "versions": getattr(data, "versions", []),
+        "pushed": pushed.versions,
         "engine_vs_policy": compare.steps if compare else None,
         "eval": evaluator.history if evaluator else None,
         "rank": trainer.global_rank,

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from lit_grpo.engines.server_engine import ServerEngine
+from lit_grpo.serving.client import ServerEngine
 
 
 class Stalled:

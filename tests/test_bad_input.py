@@ -48,16 +48,18 @@ def test_data_module_rejects(kwargs, match):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"iterations_per_batch": 0}, "iterations_per_batch"),
-    ({"eps_low": 0.0}, "eps_low"),
-    ({"eps_low": 0.2, "eps_high": -0.1}, "eps_high"),
+    ({"loss_options": {"grpo": {"eps_low": 0.0}}}, "eps_low"),
+    ({"loss_options": {"grpo": {"eps_low": 0.2, "eps_high": -0.1}}}, "eps_high"),
     ({"temperature": 0.0}, "temperature"),
     ({"loss_aggregation": "sum"}, "sum"),
-    ({"lr_schedule": "step"}, "step"),
+    ({"optimizer": {"schedule": "step"}}, "step"),
+    ({"optimizer": {"lr": 0.0}}, "optimizer.lr"),
     ({"beta": -0.5}, "beta"),
     ({"loss": "ppo"}, "ppo"),
-    ({"loss": "rec_ring", "ratio_cap": 2.0}, "ratio_cap"),
-    ({"loss": "opmd", "loss_options": {"tau": -1.0}}, "tau"),
-    ({"loss": "grpo", "loss_options": {"tau": 0.1}}, "tau"),
+    ({"loss": "no_such_package_xyz.losses:my_loss"}, "no_such_package_xyz"),
+    ({"loss": "rec_ring", "loss_options": {"grpo": {"ratio_cap": 2.0}}}, "ratio_cap"),
+    ({"loss": "opmd", "loss_options": {"opmd": {"tau": -1.0}}}, "tau"),
+    ({"loss": "grpo", "loss_options": {"grpo": {"tau": 0.1}}}, "tau"),
 ])
 def test_module_rejects_before_loading_the_model(kwargs, match, monkeypatch):
     import lit_grpo.module as module

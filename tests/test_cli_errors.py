@@ -43,20 +43,32 @@ def write_inputs(root: Path) -> None:
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one writer, on purpose
         dcp.save({"state_dict": {"policy.lm_head.weight": torch.zeros(3)}}, checkpoint_id=root / "sharded")
     torch.save({"hyper_parameters": {"model_name": "tiny-random-llama"}}, root / "sharded" / "meta.pt")
+    # hyperparameters the model does not take (LightningCLI merges them into the config before building anything)
+    torch.save({"state_dict": {"policy.lm_head.weight": torch.zeros(3)},
+                "hyper_parameters": {"model_name": "tiny-random-llama", "no_such_option": 3},
+                "pytorch-lightning_version": lightning.__version__}, root / "other_hparams.ckpt")
+    # a second WeightSync next to the `sync` section, which always adds one
+    (root / "two_syncs.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: lit_grpo.callbacks.WeightSync\n"
+        "      init_args:\n        every_n_batches: 2\n")
 
 
 # subprocesses. name: (model, extra arguments, debug, strings the error line must hold)
 CASES = {
-    "model_value": (SMOLLM2, ["--model.lr", "-1"], False, ["lr must be > 0", "-1", "(model.lr, on the command line)"]),
+    # an option group's value (a dataclass under model): named by its full key
+    "model_value": (SMOLLM2, ["--model.optimizer.lr", "-1"], False,
+                    ["optimizer.lr must be", "> 0", "-1", "(model.optimizer.lr, on the command line)"]),
     "data_value": (SMOLLM2, ["--data.num_generations", "1"], False,
                    ["num_generations", "got 1", "(data.num_generations, on the command line)"]),
-    "debug_traceback": (SMOLLM2, ["--model.lr", "-1"], True, ["Traceback", "ValueError: lr must be > 0"]),
+    "debug_traceback": (SMOLLM2, ["--model.optimizer.lr", "-1"], True,
+                        ["Traceback", "ValueError: optimizer.lr must be"]),
 }
 
 # in this process. name: (extra arguments, whether the model may load, strings the error line must hold);
 # every case but "missing_model_name" also gets --model.model_name tiny-random-llama
 IN_PROCESS = {
-    "type_error": (["--model.lr", "abc"], False, ["abc", "float", "(model.lr, on the command line)"]),
+    "type_error": (["--model.optimizer.lr", "abc"], False,
+                   ["abc", "float", "(model.optimizer.lr, on the command line)"]),
     "config_file": (["--config", "{root}/bad.yaml"], False,
                     ["'sum'", "token_mean", "(model.loss_aggregation, in {root}/bad.yaml)"]),
     # the loader itself rejects the name: the message quotes the value, not the key
@@ -80,6 +92,16 @@ IN_PROCESS = {
     "other_model_ckpt": (["--ckpt_path", "{root}/other_model.ckpt"], True,
                          ["{root}/other_model.ckpt", "does not fit", "policy.lm_head.weight", "[3, 3]",
                           "(ckpt_path, on the command line)"]),
+    "ckpt_hyperparameters": (["--ckpt_path", "{root}/other_hparams.ckpt"], False,
+                             ["hyperparameters in checkpoint {root}/other_hparams.ckpt do not fit",
+                              "no_such_option", "(ckpt_path, on the command line)"]),
+    # Lightning would refuse two stateful callbacks of one type without saying what to do
+    "second_weight_sync": (["--trainer.callbacks+=lit_grpo.callbacks.WeightSync"], False,
+                           ["WeightSync", "the `sync` section already adds", "set its options there",
+                            "remove WeightSync from trainer.callbacks", "(trainer.callbacks, on the command line)"]),
+    "second_weight_sync_in_config": (["--config", "{root}/two_syncs.yaml"], False,
+                                     ["the `sync` section already adds", "remove WeightSync from trainer.callbacks",
+                                      "(trainer.callbacks, in {root}/two_syncs.yaml)"]),
 }
 
 

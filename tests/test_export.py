@@ -8,7 +8,7 @@ from lit_grpo.callbacks import HFExport, WeightSync
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_grpo.cli import main
+from lit_grpo.commands import main
 from lit_grpo.models import tiny_llama, tiny_tokenizer
 
 TEXT = ["<|im_start|>user\nWhat is 12 * 7?<|im_end|>\n", "#### 84"]

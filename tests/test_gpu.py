@@ -116,11 +116,10 @@ def test_server_on_cuda_round_trip_and_push(tmp_path):
 
     from server_process import ServerProcess
 
-    from lit_grpo.data.prompts import eos_token_ids
     from lit_grpo.engines.base import SamplingConfig
-    from lit_grpo.engines.server_engine import ServerEngine
-    from lit_grpo.models import load_model_and_tokenizer
-    from lit_grpo.weight_transfer import checksum
+    from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
+    from lit_grpo.serving.client import ServerEngine
+    from lit_grpo.serving.weight_transfer import checksum
 
     model, tokenizer = load_model_and_tokenizer("tiny-random-llama")
     policy = copy.deepcopy(model)
@@ -166,10 +165,9 @@ def test_compiled_static_decoding_on_cuda_matches_the_dynamic_path():
     """On CUDA the engine's default path is the static cache with a compiled decode step. Where sampling is
     deterministic (a nucleus holding only the most likely token) it gives the dynamic path's tokens, and the
     log-probs it reports are the teacher-forced ones."""
-    from lit_grpo.data.prompts import eos_token_ids
     from lit_grpo.engines.base import SamplingConfig
     from lit_grpo.engines.transformers_engine import TransformersEngine
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer("tiny-random-llama")
     model = model.cuda()

@@ -5,6 +5,8 @@ from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from handmade import handmade_batch, loss_and_grads, perturb, select_groups
 from lit_grpo.callbacks import RefModelSwap, WeightSync
 
+from lit_grpo.losses import GRPOOptions, LossOptions
+
 
 def test_v1_i1_ratio_is_one_at_first_iteration_every_step(tmp_path, recorder):
     # the engine scores the completions itself: its synced copy must reproduce the policy exactly
@@ -47,7 +49,7 @@ def test_v4_staleness_cycles_and_engine_weights_follow_syncs(tmp_path, recorder)
 
 
 def test_v1_i4_ratio_moves_after_first_iteration_and_clipping_fires(tmp_path, recorder):
-    module = tiny_module(iterations_per_batch=4, lr=5e-3, eps_low=0.01)
+    module = tiny_module(iterations_per_batch=4, lr=5e-3, loss_options=LossOptions(grpo=GRPOOptions(eps_low=0.01)))
     data = tiny_data()
     trainer = tiny_trainer(tmp_path, max_steps=8, callbacks=[WeightSync(every_n_batches=1), recorder])
     trainer.fit(module, datamodule=data)
@@ -59,22 +61,33 @@ def test_v1_i4_ratio_moves_after_first_iteration_and_clipping_fires(tmp_path, re
 
 
 def test_masking_drops_zero_variance_groups_from_loss_and_gradient_eq8():
-    """Eq. 8 next to eq. 7 on one batch: groups 0 and 2 have a reward spread, groups 1 and 3 do not. Their
-    advantage is 0, but pi != pi_ref (the reference is perturbed, beta > 0), so without the mask their KL term
-    would still count."""
+    """Eq. 8 next to eq. 7 and the DAPO-style form on one batch: groups 0 and 2 have a reward spread, groups 1 and
+    3 do not. Their advantage is 0, but pi != pi_ref (the reference is perturbed, beta > 0), so without the mask
+    their KL term would still count."""
     rewards = [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.5, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     spread_groups, flat_groups = [0, 2], [1, 3]
+    batch = handmade_batch(rewards, len(tiny_module().tokenizer))
+    spread, spread_rows = select_groups(batch, spread_groups)
+    # token_mean's denominator over the whole batch (eq. 7 and eq. 8) and over the spread groups' tokens only
+    every_token = spread.completion_mask.float() / batch.completion_mask.sum()
+    spread_tokens = spread.completion_mask.float() / spread.completion_mask.sum()
+    assert spread.completion_mask.sum() < batch.completion_mask.sum()  # the two forms differ on this batch
 
-    # masking on: the batch's loss and gradient are those of the spread groups alone, normalised over their
-    # tokens only (token_mean's denominator, written out independently of token_weights)
+    # eq. 8 as written: the batch's loss and gradient are those of the spread groups, each token weighing what it
+    # weighs under eq. 7 (the flat groups' tokens stay in the denominator); the flat groups add nothing, KL included
     module = tiny_module(mask_zero_variance=True, beta=0.1)
     perturb(module.reference)
-    batch = handmade_batch(rewards, len(module.tokenizer))
     full_loss, full_grads = loss_and_grads(module, batch, module.loss_weights(batch))
-    spread, _ = select_groups(batch, spread_groups)
-    own_normaliser = spread.completion_mask.float() / spread.completion_mask.sum()
-    alone_loss, alone_grads = loss_and_grads(module, spread, own_normaliser)
+    alone_loss, alone_grads = loss_and_grads(module, spread, every_token)
     assert alone_loss != 0.0 and any(g.abs().max() > 0 for g in alone_grads.values())
+    assert abs(full_loss - alone_loss) <= 1e-6 * abs(alone_loss)
+    assert_grads_close(full_grads, alone_grads)
+
+    # DAPO-style: the spread groups alone, normalised over their tokens only
+    module = tiny_module(drop_zero_variance=True, beta=0.1)
+    perturb(module.reference)
+    full_loss, full_grads = loss_and_grads(module, batch, module.loss_weights(batch))
+    alone_loss, alone_grads = loss_and_grads(module, spread, spread_tokens)
     assert abs(full_loss - alone_loss) <= 1e-6 * abs(alone_loss)
     assert_grads_close(full_grads, alone_grads)
 
@@ -83,7 +96,6 @@ def test_masking_drops_zero_variance_groups_from_loss_and_gradient_eq8():
     perturb(module.reference)
     weights = module.loss_weights(batch)
     full_loss, full_grads = loss_and_grads(module, batch, weights)
-    spread, spread_rows = select_groups(batch, spread_groups)
     flat, flat_rows = select_groups(batch, flat_groups)
     spread_loss, spread_grads = loss_and_grads(module, spread, weights[spread_rows])
     flat_loss, flat_grads = loss_and_grads(module, flat, weights[flat_rows])
@@ -140,7 +152,8 @@ def test_failing_reward_scores_zero_is_counted_and_the_run_goes_on(tmp_path, rec
 
 
 def test_exact_ref_ratio_with_lagging_engine_and_sample_reuse(tmp_path, recorder):
-    module = tiny_module(exact_ref_ratio=True, iterations_per_batch=2, ratio_cap=5.0, lr=5e-3)
+    module = tiny_module(loss_options=LossOptions(grpo=GRPOOptions(exact_ref_ratio=True, ratio_cap=5.0)),
+                         iterations_per_batch=2, lr=5e-3)
     trainer = tiny_trainer(tmp_path, max_steps=6, callbacks=[WeightSync(every_n_batches=2), recorder])
     trainer.fit(module, datamodule=tiny_data())
     assert [s["train/staleness"] for s in recorder.steps] == [0, 2, 0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import types
 import urllib.request
 from abc import ABC, abstractmethod
@@ -22,9 +23,11 @@ import pytest
 import torch
 
 from lit_grpo.engines.base import SamplingConfig
-from lit_grpo.engines.server_engine import ServerEngine, ServerError
 from lit_grpo.engines.vllm_engine import prompt_seed
 from lit_grpo.models import tiny_llama
+from lit_grpo.serving.client import ServerEngine
+from lit_grpo.serving.producer import RolloutProducer
+from lit_grpo.serving.protocol import ServerError
 
 
 # ---- fake vllm.distributed.weight_transfer -----------------------------------------------------------
@@ -171,6 +174,7 @@ class FakeVLLMServer:
         self.calls: list[tuple[str, str, Any]] = []
         self.version: str | None = None
         self.fail: set[str] = set()
+        self.generate_delay_s = 0.0  # a slow generation, to have requests in flight during a push
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -211,6 +215,7 @@ class FakeVLLMServer:
                 self.version = body["weight_version"]
             return 200, {"message": "Weight update finished"}
         if path == "/v1/completions":
+            time.sleep(self.generate_delay_s)
             (prompt,) = body["prompt"]
             choices = []
             for j in range(body["n"]):
@@ -315,3 +320,27 @@ def test_vllm_failed_push_names_the_server_resumes_it_and_starts_over(fake_vllm,
     fake_server.calls.clear()
     engine.load_weights(model.named_parameters(), step=7)
     assert ("POST", "/init_weight_transfer_engine") in fake_server.routes() and engine.synced_step == 7
+
+
+def test_vllm_push_waits_for_the_asynchronous_requests_in_flight(fake_vllm, fake_server):
+    """max_staleness >= 1 with the vLLM kind: requests run on the producer's thread; a push first drains them, so
+    they are answered, with the old version on every completion, before ``/pause``."""
+    model = tiny_llama(vocab_size=100)
+    engine = ServerEngine(url=fake_server.url, kind="vllm", policy=lambda: model, timeout_s=10)
+    engine.load_weights(model.named_parameters(), step=1)
+    producer = RolloutProducer()
+    engine.before_push.append(producer.drain)
+    fake_server.generate_delay_s = 0.3
+    fake_server.calls.clear()
+    producer.submit(1, lambda: engine.request_rollouts([[5, 6], [7]], 2, SamplingConfig(max_new_tokens=3), seed=4))
+    time.sleep(0.05)  # the requests are in flight
+    engine.load_weights(model.named_parameters(), step=2)
+    rollouts, error = producer.take(1)
+    assert error is None
+    groups = engine.check_lockstep(rollouts)
+    assert [c.versions for g in groups for c in g] == [("1",)] * 4  # sampled entirely before the push
+    routes = fake_server.routes()
+    assert routes.index(("POST", "/pause?mode=wait")) > max(i for i, r in enumerate(routes)
+                                                             if r == ("POST", "/v1/completions"))
+    assert engine.synced_step == 2
+    producer.close()

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lit_grpo import weight_transfer
 from lit_grpo.distributed import plan_buckets, shard_rows
-from lit_grpo.engines import server_engine
-from lit_grpo.engines.server_engine import HTTPClient, ServerEngine, ServerError
-from lit_grpo.weight_transfer import NCCL_GROUP_ENV, buckets, open_group, pack, packed_view, transport_device
+from lit_grpo.serving import weight_push, weight_transfer
+from lit_grpo.serving.client import ServerEngine
+from lit_grpo.serving.protocol import HTTPClient, ServerError
+from lit_grpo.serving.weight_transfer import NCCL_GROUP_ENV, buckets, open_group, pack, packed_view, transport_device
 
 URL = "http://10.1.2.3:8765"
 #: what ProcessGroupNCCL's wait raises when a broadcast outlives the group's timeout
@@ -50,7 +50,7 @@ def test_transport_device_is_the_given_cuda_device_not_the_current_one(fake_cuda
 
 
 def test_server_receives_on_its_own_device(fake_cuda):
-    from lit_grpo.server import RolloutServer
+    from lit_grpo.serving.server import RolloutServer
 
     server = object.__new__(RolloutServer)  # only the transfer settings matter here
     server.backend, server.device = "nccl", torch.device("cuda", 1)
@@ -147,7 +147,8 @@ def test_a_failed_nccl_wait_is_a_server_error_naming_the_url(answering):
 
 def test_server_maps_a_failed_receive_to_a_500_and_keeps_its_weights():
     from lit_grpo.models import load_model_and_tokenizer
-    from lit_grpo.server import HTTPFailure, RolloutServer
+    from lit_grpo.serving.protocol import HTTPFailure
+    from lit_grpo.serving.server import RolloutServer
 
     model, tokenizer = load_model_and_tokenizer("tiny-random-llama")
     server = RolloutServer(model, tokenizer, "tiny-random-llama", "t" * 32)
@@ -199,6 +200,6 @@ def test_a_bucket_lying_back_to_back_is_packed_without_a_copy():
 
 
 def test_the_bucket_error_names_the_server_and_the_error_type():
-    error = server_engine.transfer_error(URL, 4, dist.DistBackendError("peer gone"), 5.0)
+    error = weight_push.transfer_error(URL, 4, dist.DistBackendError("peer gone"), 5.0)
     assert str(error) == f"rollout server {URL}: sending a bucket of 4 tensors failed: DistBackendError: peer gone"
-    assert "not finished within 5 s" in str(server_engine.transfer_error(URL, 1, None, 5.0))
+    assert "not finished within 5 s" in str(weight_push.transfer_error(URL, 1, None, 5.0))

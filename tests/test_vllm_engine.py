@@ -367,7 +367,10 @@ def test_temperatures_vllm_would_change_are_rejected(fake_vllm, temperature):
         RolloutDataModule(engine="vllm", temperature=temperature)
     with pytest.raises(ValueError, match="outside"):
         RolloutDataModule(engine="server", engine_options={"kind": "vllm"}, temperature=temperature)
-    RolloutDataModule(engine="server", temperature=temperature)  # the project's server samples at any T > 0
+    # the project's server samples at any T > 0: what stops this data module is only the missing server URL
+    with pytest.raises(ValueError, match="exactly one of url") as refused:
+        RolloutDataModule(engine="server", temperature=temperature)
+    assert "temperature" not in str(refused.value)
 
 
 def test_local_rank_must_match_the_trainers_cuda_device(monkeypatch):

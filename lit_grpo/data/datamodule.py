@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import lightning as L
@@ -21,11 +22,19 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.data.gsm8k import load_gsm8k
-from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, eos_token_ids, prompt_ids
+from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
 from lit_grpo.data.rewards import RewardRunner
 from lit_grpo.data.rollout import collate_rollouts, rollout_stats
-from lit_grpo.distributed import rank_slice
-from lit_grpo.engines.base import RolloutEngine, SamplingConfig
+from lit_grpo.data.staleness import (
+    check_staleness_setup,
+    groups_from_state,
+    groups_to_state,
+    staleness_stats,
+    weight_version_of,
+)
+from lit_grpo.distributed import all_gather_objects, rank_slice
+from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
+from lit_grpo.models import eos_token_ids
 
 ENGINES = ("transformers", "vllm", "server")
 
@@ -61,18 +70,11 @@ class PromptStream(IterableDataset):
 
     def __iter__(self) -> Iterator[PromptBatch]:
         owner = self.owner
-        rank, world = owner.rank_and_world()
         per_epoch = owner.batches_per_epoch
-        global_batch = owner.prompts_per_step * world
         start = owner.consumed
         epoch = start // per_epoch
-        order = owner.epoch_order(epoch)
-        for b in range(start - epoch * per_epoch, per_epoch):
-            # one global batch of world * prompts_per_step prompts; each rank takes a contiguous share, so a
-            # group never spans two ranks and the ranks' prompts are disjoint
-            chunk = order[b * global_batch : (b + 1) * global_batch]
-            yield PromptBatch(rows=rank_slice(chunk, rank, world, owner.prompts_per_step),
-                              batch_index=epoch * per_epoch + b, rank=rank)
+        for index in range(start, (epoch + 1) * per_epoch):
+            yield owner.prompt_batch(index)
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -96,6 +98,15 @@ class RolloutDataModule(L.LightningDataModule):
         reuse_policy_logprobs: when the engine holds exactly the policy's current weights (synced at this
             optimizer step), alpha = pi_k, so alpha's log-probs are the policy's own first-iteration log-probs
             and the engine's scoring pass is skipped (same losses to float rounding; tested).
+        max_staleness: K. 0: each batch is generated when the trainer needs it (synchronous). K >= 1
+            (``engine: server`` only): asynchronous off-policy GRPO: while the trainer updates on batch b, the
+            server generates batches up to b + K on a background thread (``lit_grpo.serving.producer``), so a
+            batch is sampled with weights at most K rollout batches older than its synchronous schedule:
+            staleness (optimizer step - weight version) <= (K + v - 1) i, which is K at v = i = 1. A batch never
+            gets older than that: the producer waits for the trainer instead of running further ahead
+            (``rollout/producer_waits``). Weight pushes wait for the batches already requested, so no completion
+            mixes two versions and a run is reproducible; checkpoints keep the batches generated but not yet
+            trained on, so a resumed run continues exactly.
     """
 
     def __init__(
@@ -118,9 +129,11 @@ class RolloutDataModule(L.LightningDataModule):
         engine_options: dict[str, Any] | None = None,
         max_prompts: int | None = None,
         reuse_policy_logprobs: bool = True,
+        max_staleness: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__()
+        check_staleness_setup(max_staleness, engine)
         if num_generations < 2:
             raise ValueError(f"num_generations (G) must be >= 2 to form a group advantage, got {num_generations}")
         if prompts_per_step < 1:
@@ -165,8 +178,18 @@ class RolloutDataModule(L.LightningDataModule):
         self.rollout_engine: RolloutEngine | None = None
         self.tokenizer = None
         self._prompt_cache: dict[int, list[int]] = {}
+        self._epoch_orders: dict[int, list[int]] = {}
+        self.max_staleness = max_staleness
+        self.producer = None  # RolloutProducer, made at the first asynchronous batch
+        #: generated batches restored from a checkpoint, not yet trained on: batch index -> (groups, seconds)
+        self.restored: dict[int, tuple[list[list[Completion]], float]] = {}
+        self.producer_waits = 0
         self.reward_errors = 0
         self.reward_timeouts = 0
+        if engine == "server":  # a server that is down, or a wrong token: one line now, before any model loads
+            from lit_grpo.serving.client import check_servers
+
+            check_servers(self.engine_options)
 
     # ---- prompt order -------------------------------------------------------------------------------
     def rank_and_world(self) -> tuple[int, int]:
@@ -181,8 +204,20 @@ class RolloutDataModule(L.LightningDataModule):
         return len(self.rows) // (self.prompts_per_step * world)
 
     def epoch_order(self, epoch: int) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(len(self.rows), generator=generator).tolist()
+        if epoch not in self._epoch_orders:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._epoch_orders = {epoch: torch.randperm(len(self.rows), generator=generator).tolist()}
+        return self._epoch_orders[epoch]
+
+    def prompt_batch(self, index: int) -> PromptBatch:
+        """This rank's share of rollout batch ``index`` (counted over all epochs)."""
+        rank, world = self.rank_and_world()
+        epoch, b = divmod(index, self.batches_per_epoch)
+        global_batch = self.prompts_per_step * world
+        # one global batch of world * prompts_per_step prompts; each rank takes a contiguous share, so a
+        # group never spans two ranks and the ranks' prompts are disjoint
+        chunk = self.epoch_order(epoch)[b * global_batch : (b + 1) * global_batch]
+        return PromptBatch(rows=rank_slice(chunk, rank, world, self.prompts_per_step), batch_index=index, rank=rank)
 
     # ---- Lightning hooks ----------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -193,6 +228,7 @@ class RolloutDataModule(L.LightningDataModule):
             if not hasattr(module, attr):
                 raise TypeError(f"RolloutDataModule needs the LightningModule to expose `{attr}`")
         self.tokenizer = module.tokenizer
+        check_staleness_setup(self.max_staleness, self.engine_kind, self.trainer.callbacks)
         self.rollout_engine = self.build_engine(module)
 
     def build_engine(self, module: L.LightningModule) -> RolloutEngine:
@@ -202,7 +238,7 @@ class RolloutDataModule(L.LightningDataModule):
 
             return TransformersEngine(module.policy, eos, self.tokenizer.pad_token_id, **self.engine_options)
         if self.engine_kind == "server":  # rollout servers over HTTP; the trainer's EOS ids stop them too
-            from lit_grpo.engines.server_engine import ServerEngine
+            from lit_grpo.serving.client import ServerEngine
 
             return ServerEngine(**{"stop_token_ids": eos, "policy": lambda: module.policy, **self.engine_options})
         from lit_grpo.engines.vllm_engine import VLLMEngine
@@ -217,12 +253,36 @@ class RolloutDataModule(L.LightningDataModule):
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, PromptBatch):
-            return self.rollout(batch)
+            return self.rollout(batch) if self.max_staleness == 0 else self.take_async(batch)
         return batch
 
+    def teardown(self, stage: str) -> None:
+        """At the end of a fit, the batches generated ahead are kept (a checkpoint saved after ``fit`` holds them,
+        and a further ``fit`` trains on them), then the producer stops."""
+        if self.producer is not None:
+            self.producer.drain()
+            for index, (result, error) in self.producer.finished().items():
+                if error is None and result[0].error is None:
+                    self.restored[index] = (result[0].groups, result[1])
+            self.stop_producer()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.stop_producer()  # no waiting: a request running now ends on its daemon thread, within its timeout
+
+    def stop_producer(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+            if self.rollout_engine is not None and self.producer.drain in self.rollout_engine.before_push:
+                self.rollout_engine.before_push.remove(self.producer.drain)
+            self.producer = None
+
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed, "seed": self.seed, "reward_errors": self.reward_errors,
-                "reward_timeouts": self.reward_timeouts}
+        state = {"consumed": self.consumed, "seed": self.seed, "reward_errors": self.reward_errors,
+                 "reward_timeouts": self.reward_timeouts}
+        if self.max_staleness:
+            state["in_flight"] = self.in_flight_state()
+            state["producer_waits"] = self.producer_waits
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.consumed = int(state_dict["consumed"])
@@ -230,6 +290,94 @@ class RolloutDataModule(L.LightningDataModule):
         self.reward_timeouts = int(state_dict.get("reward_timeouts", 0))
         if int(state_dict["seed"]) != self.seed:
             raise ValueError(f"checkpoint was written with data seed {state_dict['seed']}, this run uses {self.seed}")
+        self.producer_waits = int(state_dict.get("producer_waits", 0))
+        in_flight = state_dict.get("in_flight")
+        if in_flight and self.max_staleness:
+            self.restore_in_flight(in_flight)
+        elif in_flight:
+            warnings.warn("the checkpoint holds rollout batches generated ahead (max_staleness >= 1); this run is "
+                          "synchronous (max_staleness: 0) and regenerates them, so it is not an exact continuation",
+                          stacklevel=2)
+
+    # ---- asynchronous rollouts (max_staleness >= 1) -------------------------------------------------
+    def in_flight_state(self) -> dict[str, Any]:
+        """Every rank's batches generated ahead and not yet trained on, as plain lists (a checkpoint needs them
+        for an exact resume: their weights are gone from the server). Waits for the requests running now; the
+        gather is a collective, and ``state_dict`` runs on every rank when a checkpoint is saved."""
+        mine: dict[int, Any] = {}
+        if self.producer is not None:
+            self.producer.drain()
+            for index, (generated, error) in self.producer.finished().items():
+                if error is None and generated[0].error is None:
+                    mine[index] = {"groups": groups_to_state(generated[0].groups), "seconds": generated[1]}
+        for index, (groups, seconds) in self.restored.items():
+            mine[index] = {"groups": groups_to_state(groups), "seconds": seconds}
+        rank, world = self.rank_and_world()
+        everyone = all_gather_objects(mine) if world > 1 else [mine]
+        return {"world_size": world, "max_staleness": self.max_staleness, "ranks": everyone}
+
+    def restore_in_flight(self, state: dict[str, Any]) -> None:
+        rank, world = self.rank_and_world()
+        if int(state["world_size"]) != world:
+            warnings.warn(f"the checkpoint's batches generated ahead come from {state['world_size']} ranks and this "
+                          f"run has {world}: they are regenerated, so the run is not an exact continuation",
+                          stacklevel=2)
+            return
+        self.restored = {int(index): (groups_from_state(item["groups"]), float(item["seconds"]))
+                         for index, item in state["ranks"][rank].items()}
+
+    def ensure_producer(self) -> Any:
+        if self.producer is None:
+            from lit_grpo.serving.producer import RolloutProducer
+
+            self.producer = RolloutProducer()
+            # every weight push first waits for the batches already requested (on every rank, then a barrier in
+            # the push): no batch handed over under the old weights is sampled with the new ones
+            self.rollout_engine.before_push.append(self.producer.drain)
+        return self.producer
+
+    def request(self, prompts: list[list[int]], seed: int) -> tuple[Any, float]:
+        """The producer's job: one rank's completions for one batch (``Rollouts``), HTTP only (no collective)."""
+        start = time.perf_counter()
+        rollouts = self.rollout_engine.request_rollouts(prompts, self.num_generations, self.sampling, seed=seed)
+        return rollouts, time.perf_counter() - start
+
+    def hand_over(self, index: int) -> None:
+        """Request batches ``index .. index + K`` not yet requested: batch b + K goes to the producer when the
+        trainer takes batch b. Also at the end of training: a run resumed from its last checkpoint with more steps
+        then trains on the very batches the longer run would have (the cost: K batches generated in vain)."""
+        producer = self.ensure_producer()
+        for j in range(index, index + self.max_staleness + 1):
+            if j in self.restored or producer.known(j):
+                continue
+            if j > index and producer.idle():
+                self.producer_waits += 1  # it had generated all it may; the staleness bound held it back
+            batch = self.prompt_batch(j)
+            prompts = [self.prompt_ids(r) for r in batch.rows]
+            seed = rollout_seed(self.seed, j, batch.rank)
+            producer.submit(j, partial(self.request, prompts, seed))
+
+    def take_async(self, prompt_batch: PromptBatch) -> RolloutBatch:
+        """Batch ``prompt_batch`` as the producer generated it (asked for K batches earlier), after handing the
+        next one over; a failed request stops every rank together (one collective, on this thread)."""
+        index = prompt_batch.batch_index
+        step = self.trainer.global_step
+        producer = self.ensure_producer()
+        waited = producer.waited_s
+        self.hand_over(index)
+        from lit_grpo.serving.client import Rollouts
+
+        if index in self.restored:
+            groups, seconds = self.restored.pop(index)
+            rollouts = Rollouts(groups)
+        else:
+            result, error = producer.take(index)
+            rollouts, seconds = result if error is None else (Rollouts(None, f"{type(error).__name__}: {error}"), 0.0)
+        groups = self.rollout_engine.check_lockstep(rollouts)  # every rank raises when any rank's request failed
+        batch = self.assemble(prompt_batch, groups, seconds, sampled_step=None)
+        batch.stats.update(staleness_stats(groups, step), trainer_wait_seconds=producer.waited_s - waited,
+                           producer_waits=float(self.producer_waits))
+        return batch
 
     # ---- rollouts -----------------------------------------------------------------------------------
     def precision_context(self) -> AbstractContextManager:
@@ -247,14 +395,17 @@ class RolloutDataModule(L.LightningDataModule):
             self._prompt_cache[row] = prompt_ids(self.tokenizer, self.rows[row]["question"], self.system_prompt)
         return self._prompt_cache[row]
 
-    def alpha_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
-        """Log-probs of the completions under the engine's weights; ``None`` means "alpha is pi_k": the engine
-        holds the policy's current weights, so the trainer's first forward gives them exactly."""
+    def alpha_logprobs(self, batch: RolloutBatch, sampled_step: int) -> torch.Tensor | None:
+        """Log-probs of the completions under the weights that sampled them (version ``sampled_step``); ``None``
+        means "alpha is pi_k": those are the policy's current weights, so the trainer's first forward gives
+        them exactly."""
         engine = self.rollout_engine
         current_step = self.trainer.global_step if self.trainer is not None else None
         rescores = getattr(engine, "rescore", False)
-        if self.reuse_policy_logprobs and rescores and engine.synced_step == current_step:
+        if self.reuse_policy_logprobs and rescores and sampled_step == current_step:
             return None
+        if sampled_step != engine.synced_step:
+            return batch.sampler_logp  # sampled before the last push: only the sampler knew those weights
         alpha = engine.score(batch, self.sampling.temperature)
         return alpha if alpha is not None else batch.sampler_logp
 
@@ -268,7 +419,17 @@ class RolloutDataModule(L.LightningDataModule):
         seed = rollout_seed(self.seed, prompt_batch.batch_index, prompt_batch.rank)
         with self.precision_context():
             groups = engine.generate(prompts, self.num_generations, self.sampling, seed=seed)
-        generate_seconds = time.perf_counter() - start
+        return self.assemble(prompt_batch, groups, time.perf_counter() - start, sampled_step=engine.synced_step)
+
+    def assemble(self, prompt_batch: PromptBatch, groups: list[list[Completion]], generate_seconds: float,
+                 sampled_step: int | None) -> RolloutBatch:
+        """Rewards, eq. 2 advantages, padding and alpha for the completions of one batch. ``sampled_step``: the
+        weight version that sampled them (``None``: read from the completions, which carry it)."""
+        start = time.perf_counter() - generate_seconds
+        device = self.trainer.lightning_module.device if self.trainer is not None else torch.device("cpu")
+        prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
+        if sampled_step is None:
+            sampled_step = min(weight_version_of(c) for g in groups for c in g)
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
         answers = [self.rows[r]["answer"] for r in prompt_batch.rows for _ in range(self.num_generations)]
         scored = self.reward_runner(texts, answers)
@@ -279,9 +440,9 @@ class RolloutDataModule(L.LightningDataModule):
             self.advantage_eps, self.scale_rewards, device,
         )
         with self.precision_context():
-            batch.alpha_logp = self.alpha_logprobs(batch)
+            batch.alpha_logp = self.alpha_logprobs(batch, sampled_step)
         batch.batch_index = prompt_batch.batch_index
-        batch.rollout_step = engine.synced_step
+        batch.rollout_step = sampled_step
         batch.stats = rollout_stats(batch)
         batch.stats.update(
             rollout_seconds=time.perf_counter() - start,

@@ -20,19 +20,3 @@ def prompt_ids(tokenizer, question: str, system_prompt: str | None = DEFAULT_SYS
     else:
         text = (f"{system_prompt}\n\n" if system_prompt else "") + f"Question: {question}\nAnswer:"
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def eos_token_ids(tokenizer, model=None) -> list[int]:  # noqa: ANN001
-    """End-of-sequence ids: the tokenizer's and those of the model's generation config (e.g. Qwen's two)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    generation_config = getattr(model, "generation_config", None)
-    extra = getattr(generation_config, "eos_token_id", None)
-    if isinstance(extra, int):
-        ids.add(extra)
-    elif extra:
-        ids.update(int(t) for t in extra)
-    if not ids:
-        raise ValueError("the tokenizer has no eos_token_id; set one so completions can end")
-    return sorted(ids)

@@ -10,8 +10,6 @@ rewarded for the right number, and :func:`format_reward` separately rewards the 
 
 from __future__ import annotations
 
-import functools
-import importlib
 import logging
 import math
 import re
@@ -21,6 +19,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from math_verify import parse, verify
+
+from lit_grpo.import_paths import resolve_callable
 
 logger = logging.getLogger(__name__)
 
@@ -222,31 +222,12 @@ _SPEC_HELP = (
 )
 
 
-def _split_spec(spec: str) -> tuple[str, str]:
-    """``"a.b:c.d"`` -> ``("a.b", "c.d")``; ``"a.b.c"`` -> ``("a.b", "c")``."""
-    module_name, sep, attr = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward {spec!r}: {_SPEC_HELP}")
-    return module_name, attr
-
-
 def resolve_reward(spec: str) -> RewardFn:
     """The reward function a spec names, checked to exist and be callable, so a typo fails at startup."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"reward {spec!r}: {_SPEC_HELP}")
     spec = spec.strip()
-    module_name, attr = _split_spec(BUILTIN_REWARDS.get(spec, spec))
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({e!r}); {_SPEC_HELP}") from e
-    try:
-        fn = functools.reduce(getattr, attr.split("."), module)
-    except AttributeError as e:
-        raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}; {_SPEC_HELP}") from e
-    if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not callable; {_SPEC_HELP}")
-    return fn
+    return resolve_callable(BUILTIN_REWARDS.get(spec, spec), "reward", _SPEC_HELP)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ __all__ = ["Completion", "RolloutEngine", "SamplingConfig", "ServerEngine", "Tra
 
 
 def __getattr__(name: str) -> type:
-    if name == "ServerEngine":  # the HTTP client of rollout servers (`python -m lit_grpo serve`, `vllm serve`)
-        from lit_grpo.engines.server_engine import ServerEngine
+    if name == "ServerEngine":  # the HTTP client of rollout servers, in the serving package
+        from lit_grpo.serving.client import ServerEngine
 
         return ServerEngine
     # vLLM is imported only when asked for: it is an optional extra and heavy.

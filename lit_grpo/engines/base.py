@@ -38,6 +38,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     truncated: bool
+    #: the weight versions that sampled its tokens, one per span in order, as a rollout server reports them
+    #: (one when no weight update interrupted it; empty for the in-process engines)
+    versions: tuple[str, ...] = ()
 
 
 class RolloutEngine(ABC):

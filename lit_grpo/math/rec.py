@@ -12,7 +12,8 @@ reference implementation in Trinity-RFT:
     per-token loss = -M * A * w * log pi_theta + regulariser,   M, w detached.
 
 All per-token losses take the keyword arguments of :func:`lit_grpo.math.objective.grpo_loss` and return the
-same ``(loss, stats)``, so a trainer picks one by name from :data:`POLICY_LOSSES`. The loss VALUE is the
+same ``(loss, stats)`` (the loss contract, written in :mod:`lit_grpo.losses`, whose registry adds each loss's
+options group and RED-Drop's batch hook to the functions of :data:`POLICY_LOSSES`). The loss VALUE is the
 REINFORCE pseudo-loss ``-A w log pi`` (not GRPO's surrogate ``-A pi/alpha``), so logged losses of the two
 families are not comparable; their gradients are: with ``w = r``, ``-A r grad log pi = -A grad(pi/alpha)``.
 """

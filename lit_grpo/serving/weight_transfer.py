@@ -1,4 +1,5 @@
-"""The bytes of a weight push between a trainer and a rollout server (``lit_grpo serve``).
+"""The bytes of a weight push between a trainer and a rollout server (``lit_grpo serve``): the primitives both
+sides use (``weight_push`` is the trainer's side of a push, ``weight_receive`` the server's).
 
 The two processes form a process group of their own, never the trainer's: a ``TCPStore`` that the trainer's
 rank 0 opens (it is rank 0 of the group, the server rank 1), and a ``ProcessGroupGloo`` (CPU) or

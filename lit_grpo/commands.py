@@ -1,0 +1,78 @@
+"""``python -m lit_grpo COMMAND ...``: which module runs a command, imported only once that command is chosen.
+
+``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's (:mod:`lit_grpo.cli`, which imports Lightning
+and the training stack). ``export``, ``eval`` and ``serve`` are tools, each a module with ``main(argv)`` that
+builds its argparse parser before it imports torch, so that their ``--help`` and a bad argument answer without
+loading the training stack.
+
+A bad value ends the program with one line on stderr, ``error: <what> (<where it came from>)``, and exit status 2;
+``LIT_GRPO_DEBUG=1`` shows the traceback instead. This module holds that convention, for the tools and for
+:mod:`lit_grpo.cli`, and imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+DEBUG_ENV = "LIT_GRPO_DEBUG"
+
+#: subcommands that are not Trainer methods -> the module whose ``main(argv)`` runs them
+TOOLS: dict[str, str] = {"export": "lit_grpo.export", "eval": "lit_grpo.eval_command",
+                         "serve": "lit_grpo.serving.server"}
+#: every other subcommand (fit, validate, test, predict) and no subcommand at all: LightningCLI
+TRAINING = "lit_grpo.cli"
+
+
+class UsageError(Exception):
+    """A bad value given by the person running the CLI: printed as one line, exit status 2."""
+
+    def __init__(self, what: str, where: str) -> None:
+        super().__init__(f"{one_line(what)} ({where})")
+
+
+def one_line(text: str) -> str:
+    """``text`` with its lines joined by single spaces (argparse and jsonargparse messages span several)."""
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def debug() -> bool:
+    """Whether ``LIT_GRPO_DEBUG`` asks for tracebacks instead of one-line errors."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def fail(err: BaseException) -> NoReturn:
+    """Print ``error: <err>`` as one line on stderr and exit with status 2."""
+    print(f"error: {one_line(str(err))}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def run_tool(name: str, argv: Sequence[str]) -> None:
+    """Run the tool ``name`` (a key of :data:`TOOLS`) on ``argv``; a ``ValueError`` or ``OSError`` it raises
+    (a bad argument, an unreadable checkpoint) is printed as one line with exit status 2."""
+    tool = importlib.import_module(TOOLS[name])
+    try:
+        tool.main(list(argv))
+    except (ValueError, OSError) as err:  # CheckpointError is a ValueError
+        if debug():
+            raise
+        fail(UsageError(str(err), " ".join([name, *argv])))
+
+
+def main(args: Sequence[str] | None = None) -> Any:
+    """Run the command line ``args`` (default: ``sys.argv[1:]``): a tool, or LightningCLI for everything else
+    (its return value, the CLI object, is passed on)."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] in TOOLS:
+        run_tool(argv[0], argv[1:])
+        return None
+    # None, not sys.argv's copy: LightningCLI reads sys.argv itself and warns when it is given both
+    return importlib.import_module(TRAINING).main(None if args is None else argv)
+
+
+def run() -> None:
+    """Console-script entry point: exit status 0 after a run, not the CLI object."""
+    main()

@@ -1,0 +1,146 @@
+"""The rollout server's generation backend: ``/v1/completions`` served by the transformers engine, and the pause
+that keeps generation and a weight swap apart (``/pause``, ``/resume``, ``/is_paused``).
+
+``GenerationRoutes`` is a part of ``RolloutServer`` (``lit_grpo.serving.server``), which holds the state it uses:
+the model, its EOS and pad ids, the limits, ``weight_version`` and the condition that guards ``paused``,
+``in_flight``, ``swapping`` and ``abort_epoch``. torch and transformers are imported only when a request comes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Any
+
+from lit_grpo.serving.protocol import CompletionRequest, HTTPFailure, Limits, parse_completion_request
+
+
+class Aborted(Exception):
+    """A generation stopped by ``/pause?mode=abort``."""
+
+
+class GenerationRoutes:
+    """The generation and pause routes of ``RolloutServer``. A generation counts itself in ``in_flight`` so a
+    weight swap (``finish_weight_update``) waits for it, and waits for a swap in progress before it starts; the
+    version it reports is the one it started under, which no swap can change while it runs."""
+
+    model: Any
+    tokenizer: Any
+    model_name: str
+    limits: Limits
+    eos: list[int]
+    pad: int
+    vocab_size: int
+    cond: threading.Condition
+    paused: bool
+    in_flight: int
+    swapping: bool
+    abort_epoch: int
+    weight_version: str | None
+
+    def health(self, body: dict, query: dict) -> dict:
+        return {}
+
+    @contextmanager
+    def _generation(self):  # noqa: ANN202
+        with self.cond:
+            if self.paused:
+                raise HTTPFailure(503, "generation is paused (a weight update is in progress); retry after /resume")
+            while self.swapping:
+                self.cond.wait()
+            self.in_flight += 1
+            epoch, version = self.abort_epoch, self.weight_version
+        try:
+            yield epoch, version
+        finally:
+            with self.cond:
+                self.in_flight -= 1
+                self.cond.notify_all()
+
+    def _between_steps(self, epoch: int, done: bool) -> bool:
+        if self.abort_epoch != epoch:
+            raise Aborted
+        return done
+
+    def completions(self, body: dict, query: dict) -> dict:
+        from lit_grpo.engines.base import SamplingConfig
+        from lit_grpo.engines.transformers_engine import TransformersEngine
+
+        request = parse_completion_request(body, self.limits, self.vocab_size)
+        sampling = SamplingConfig(max_new_tokens=request.max_tokens, temperature=request.temperature,
+                                  top_p=request.top_p)
+        stops = sorted(set(self.eos) | set(request.stop_token_ids))
+        engine = TransformersEngine(self.model, stops, self.pad, copy_weights=False, rescore=False)
+        with self._generation() as (epoch, version):
+            try:
+                groups = engine.generate(request.prompts, request.n, sampling, request.seed,
+                                         all_finished=lambda done: self._between_steps(epoch, done))
+            except Aborted:
+                raise HTTPFailure(503, "generation aborted by /pause; retry after /resume") from None
+        return self._completion_response(request, groups, version)
+
+    def _completion_response(self, request: CompletionRequest, groups: list, version: str | None) -> dict:
+        choices, completion_tokens = [], 0
+        eos = set(self.eos)
+        for p, group in enumerate(groups):
+            for j, c in enumerate(group):
+                ids = list(c.token_ids)
+                completion_tokens += len(ids)
+                stop_reason = ids[-1] if ids and not c.truncated and ids[-1] not in eos else None
+                choice = {
+                    "index": p * request.n + j,
+                    "text": self.tokenizer.decode(ids, skip_special_tokens=True),
+                    "logprobs": self._logprobs(ids, c.logprobs, request) if request.logprobs else None,
+                    "finish_reason": "length" if c.truncated else "stop",
+                    "stop_reason": stop_reason,
+                    "token_ids": ids if request.return_token_ids else None,
+                    "prompt_token_ids": request.prompts[p] if request.return_token_ids else None,
+                    "weight_versions": ([{"version": version, "start": 0, "end": len(ids)}]
+                                        if request.return_weight_versions else None),
+                }
+                choices.append(choice)
+        prompt_tokens = sum(len(p) for p in request.prompts)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "weight_version": version,
+        }
+
+    def _logprobs(self, ids: list[int], logprobs: list[float], request: CompletionRequest) -> dict:
+        if request.token_id_strings:
+            tokens = [f"token_id:{t}" for t in ids]
+        else:
+            tokens = [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        values = [float(v) for v in logprobs]
+        return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens,
+                "top_logprobs": [{tok: v} for tok, v in zip(tokens, values)]}
+
+    # ---- pause --------------------------------------------------------------------------------------
+    def pause(self, body: dict, query: dict) -> dict:
+        mode = query.get("mode", body.get("mode", "abort"))
+        if mode not in ("abort", "wait"):
+            raise HTTPFailure(400, f"pause mode {mode!r} is not supported; this server offers 'abort' and 'wait'")
+        with self.cond:
+            self.paused = True
+            if mode == "abort":
+                self.abort_epoch += 1
+            while self.in_flight:
+                self.cond.wait()
+        return {"status": "paused"}
+
+    def resume(self, body: dict, query: dict) -> dict:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+        return {"status": "resumed"}
+
+    def is_paused(self, body: dict, query: dict) -> dict:
+        return {"is_paused": self.paused}

@@ -1,0 +1,261 @@
+"""``python -m lit_grpo serve --model M --port P``: the project's rollout server.
+
+One process holds the rollout policy alpha (the transformers engine, on CPU or one GPU) behind HTTP and speaks
+the protocol of ``lit_grpo.serving.protocol`` (a subset of ``vllm serve`` 0.33's), so the trainer's
+``ServerEngine`` drives either server. ``RolloutServer`` is the state; its routes come from
+``GenerationRoutes`` (``serving.generation``: completions, pause) and ``WeightReceiver``
+(``serving.weight_receive``: the weight push, all or nothing).
+
+Security: binds 127.0.0.1 unless ``--host`` says otherwise; every route but ``/health`` needs
+``Authorization: Bearer <token>`` (compared with ``hmac.compare_digest``); there is no default token: it is read
+from ``--token-file`` or ``$LIT_GRPO_SERVER_TOKEN`` and the server refuses to start without one. Missing or
+wrong token: 401 and nothing changes. Bodies over ``--max-body-bytes``: 413; more prompts, completions per
+prompt or new tokens than the limits: 400. The weight bytes travel over torch.distributed, which has no
+authentication: the group is joined only when an authenticated request names it.
+
+The argument parser, the token and the limits are checked before torch or transformers is imported, so
+``--help`` and argument errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from lit_grpo.serving.generation import GenerationRoutes
+from lit_grpo.serving.protocol import (
+    LOOPBACK,
+    MIN_TOKEN_CHARS,
+    OPEN_ROUTES,
+    ROUTES,
+    TOKEN_ENV,
+    HTTPFailure,
+    Limits,
+    error_payload,
+)
+from lit_grpo.serving.weight_receive import WeightReceiver
+
+DEFAULT_LIMITS = Limits()
+
+
+class RolloutServer(GenerationRoutes, WeightReceiver):
+    """The server's state: the model, its ``weight_version``, the weight-transfer group, a push in progress and
+    the pause flag. Thread-safe: HTTP requests are served on threads of their own."""
+
+    def __init__(self, model: Any, tokenizer: Any, model_name: str, token: str, limits: Limits = DEFAULT_LIMITS,
+                 reuse_buffers: bool = True) -> None:
+        from lit_grpo.models import eos_token_ids
+
+        if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
+            raise ValueError(f"the server token must be at least {MIN_TOKEN_CHARS} characters")
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self._token = token.encode()
+        self.limits = limits
+        self.params = dict(model.named_parameters())
+        self.eos = eos_token_ids(tokenizer, model)
+        pad = tokenizer.pad_token_id
+        self.pad = int(pad) if pad is not None else self.eos[0]
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.device = next(model.parameters()).device
+        self.dtypes = sorted({str(p.dtype).split(".")[-1] for p in self.params.values() if p.is_floating_point()})
+        self.cond = threading.Condition()
+        self.paused = False
+        self.in_flight = 0
+        self.swapping = False
+        self.abort_epoch = 0
+        self.weight_version: str | None = None
+        self.transfer_lock = threading.Lock()  # one weight-transfer call at a time
+        self.group = None
+        self.store = None
+        self.backend = "gloo"
+        self.packed = True
+        self.transfer_timeout_s = 300.0  # the group's timeout, from /init_weight_transfer_engine
+        self.staging: dict[str, Any] | None = None
+        self.receiving = False  # inside a bucket's broadcast
+        # Receive buffers kept across pushes (CPU only: fresh memory costs page faults as slow as the transfer;
+        # the CUDA caching allocator reuses memory by itself). Bucket k of a push lands in a buffer of the same
+        # announcement that does not back the parameters now, so a model has at most two sets of buffers.
+        self.reuse_buffers = reuse_buffers
+        self._pool: dict[tuple[str, ...], list[Any]] = {}
+        self._live: set[int] = set()  # data pointers of the buffers the parameters point into
+        self._push_buffers: list[tuple[tuple[str, ...], Any]] = []
+        self.routes: dict[tuple[str, str], Callable[[dict, dict], dict]] = {
+            key: getattr(self, name) for key, name in ROUTES.items()}
+        self.open_routes = set(OPEN_ROUTES)
+
+    # ---- authentication -----------------------------------------------------------------------------
+    def authorized(self, header: str | None) -> bool:
+        if not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[len("Bearer "):].strip().encode(), self._token)
+
+    # ---- HTTP ---------------------------------------------------------------------------------------
+    def handle(self, method: str, target: str, headers: Any, read_body: Callable[[int], bytes]) -> tuple[int, Any]:
+        """One request: ``(status, JSON payload)``. The token and the size are checked before the body is read."""
+        parts = urlsplit(target)
+        path = parts.path.rstrip("/") or "/"
+        key = (method, path)
+        if key not in self.routes:
+            allowed = [m for (m, p) in self.routes if p == path]
+            if allowed:
+                return 405, error_payload(405, f"{method} {path} is not allowed; use {allowed[0]}")
+            return 404, error_payload(404, f"no route {path}")
+        if key not in self.open_routes and not self.authorized(headers.get("Authorization")):
+            return 401, error_payload(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+        try:
+            length = int(headers.get("Content-Length") or 0)
+        except ValueError:
+            return 400, error_payload(400, "bad Content-Length")
+        if length < 0:
+            return 400, error_payload(400, "bad Content-Length")
+        if length > self.limits.max_body_bytes:
+            return 413, error_payload(413, f"request body of {length} bytes is larger than this server's limit of "
+                                           f"{self.limits.max_body_bytes} bytes (--max-body-bytes)")
+        body: Any = {}
+        if length:
+            try:
+                body = json.loads(read_body(length))
+            except (ValueError, UnicodeDecodeError):
+                return 400, error_payload(400, "the body is not valid JSON")
+            if not isinstance(body, dict):
+                return 400, error_payload(400, "the body must be a JSON object")
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        try:
+            return 200, self.routes[key](body, query)
+        except HTTPFailure as err:
+            return err.status, error_payload(err.status, err.message)
+        except Exception as err:  # noqa: BLE001 (a bug must not take the server down)
+            traceback.print_exc(file=sys.stderr)
+            return 500, error_payload(500, f"{type(err).__name__}: {err}")
+
+
+def make_http_server(server: RolloutServer, host: str, port: int, log_requests: bool = False) -> ThreadingHTTPServer:
+    """A threading HTTP server that hands every request to ``server.handle`` (one connection per request)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "lit_grpo-rollout-server"
+
+        def _serve(self, method: str) -> None:
+            status, payload = server.handle(method, self.path, self.headers, self.rfile.read)
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if status == 401:
+                self.send_header("WWW-Authenticate", "Bearer")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+            self.close_connection = True
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._serve("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._serve("POST")
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            if log_requests:
+                super().log_message(format, *args)
+
+    httpd = ThreadingHTTPServer((host, port), Handler)
+    httpd.daemon_threads = True
+    return httpd
+
+
+def read_token(token_file: str | None) -> str:
+    """The token from ``token_file`` or ``$LIT_GRPO_SERVER_TOKEN``; a ``ValueError`` when there is none."""
+    if token_file:
+        with open(os.path.expanduser(token_file)) as f:
+            token = f.read().strip()
+        where = f"token file {token_file}"
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+        where = f"${TOKEN_ENV}"
+    if not token:
+        raise ValueError(f"no token: the rollout server needs one, from --token-file or ${TOKEN_ENV} (for example "
+                         "`python -c 'import secrets; print(secrets.token_hex(32))' > token`); it has no default")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"the token in {where} has {len(token)} characters; use at least {MIN_TOKEN_CHARS}")
+    return token
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # raised for the CLI to print as one line
+        raise ValueError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``serve`` arguments (building it imports neither torch nor transformers)."""
+    parser = _Parser(
+        prog="python -m lit_grpo serve",
+        description="Serve rollouts of a causal LM over HTTP (vLLM 0.33's protocol subset) and take weight pushes "
+                    "from a lit_grpo trainer (`data.engine: server`).")
+    parser.add_argument("--model", required=True, help="model alias, local directory or Hub id (as model.model_name)")
+    parser.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one (printed at start)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    parser.add_argument("--token-file", default=None, help=f"file holding the bearer token (else ${TOKEN_ENV})")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
+    parser.add_argument("--max-prompts", type=int, default=Limits.max_prompts, help="prompts per request")
+    parser.add_argument("--max-n", type=int, default=Limits.max_n, help="completions per prompt")
+    parser.add_argument("--max-tokens", type=int, default=Limits.max_tokens, help="new tokens per completion")
+    parser.add_argument("--no-buffer-reuse", action="store_true",
+                        help="allocate fresh receive buffers for every push (default on CPU: keep two sets)")
+    parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
+    return parser
+
+
+def main(argv: Sequence[str]) -> None:
+    """The ``serve`` subcommand: check the arguments and the token (before loading anything), then serve until
+    interrupted. Errors are raised as ``ValueError`` / ``OSError`` for the CLI to print."""
+    args = build_parser().parse_args(list(argv))
+    token = read_token(args.token_file)
+    limits = Limits(args.max_body_bytes, args.max_prompts, args.max_n, args.max_tokens)
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
+    import torch
+
+    from lit_grpo.models import load_model_and_tokenizer
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else torch.device(
+        args.device)
+    if args.host not in LOOPBACK:
+        print(f"warning: binding {args.host}: the token guards HTTP, but the weight bytes travel over "
+              "torch.distributed, which is not authenticated; keep the network private", file=sys.stderr)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
+    server = RolloutServer(model.to(device), tokenizer, args.model, token, limits,
+                           reuse_buffers=not args.no_buffer_reuse)
+    httpd = make_http_server(server, args.host, args.port, args.log_requests)
+    host, port = httpd.server_address[:2]
+    print(f"lit_grpo rollout server: {args.model} ({args.dtype}, {device}) listening on http://{host}:{port}",
+          flush=True)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

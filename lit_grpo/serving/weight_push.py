@@ -1,0 +1,286 @@
+"""The trainer's side of a weight push to rollout servers (``WeightPusher``, a part of ``ServerEngine``).
+
+A push, on either kind of server: ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/update_weights`` (per
+bucket) -> ``/finish_weight_update {"weight_version": "<step>"}`` -> ``GET /weight_info`` -> ``/resume``. To the
+project's server the bytes travel over a process group of the trainer's rank 0 and the server
+(``lit_grpo.serving.weight_transfer``), gloo or NCCL, in buckets announced over HTTP; the vLLM kind uses vLLM's own
+trainer side (``lit_grpo.serving.vllm_client``, imported only for that kind).
+
+How the ranks take part (``load_weights`` is called on every rank with an iterator whose iteration gathers the
+full parameters, a collective):
+
+- every rank takes part in the gathers; only rank 0 talks to the servers. For an FSDP2 policy (the
+  ``full_named_parameters`` iterator ``WeightSync`` passes, not yet started) the gather goes to rank 0 only
+  (``lit_grpo.distributed.rank0_buckets``): the other ranks send their shards point to point, one bucket at a
+  time, into a receive buffer rank 0 keeps across pushes, instead of every rank all-gathering every parameter;
+  anything else is iterated on every rank as given. Rank 0 sends a bucket (``bucket_mb``) as soon as its gathers
+  are done and before the next gather, so no trainer collective interleaves with a transfer and rank 0 never
+  holds more than one bucket beyond its own shards;
+- the bytes go out on a daemon thread while the HTTP call, with a timeout, stays on the main thread; every
+  response is checked. The broadcast's wait blocks that thread until the bytes are through or the transfer
+  group's own timeout (``timeout_s``) has passed, NCCL included (``weight_transfer.wait_work``), and its failure
+  is a ``ServerError`` naming the server;
+- rank 0 keeps consuming the iterator after a failure (the other ranks are in the gathers), then every rank
+  learns the outcome in one ``all_gather_object`` and they raise together: a dead server stops training within
+  ``timeout_s`` with its URL in the message, and no rank waits on a collective;
+- ``synced_step`` is the ``weight_version`` the server reports after the push (every rank gets rank 0's); each
+  completion carries the version it was sampled with, and rollouts from any other version are refused.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lit_grpo.distributed import (
+    GatherBuffer,
+    all_gather_objects,
+    everyone,
+    fsdp2_source,
+    rank0_buckets,
+    rank_and_world,
+)
+from lit_grpo.serving.protocol import ServerError, version_text
+
+if TYPE_CHECKING:
+    from lit_grpo.serving.client import ServerConnection
+
+#: seconds the main thread waits for a bucket's broadcast beyond ``timeout_s``, so that the transfer group's own
+#: timeout (the same ``timeout_s``) is what reports a stuck transfer
+SEND_GRACE_S = 5.0
+
+
+def transfer_error(url: str, tensors: int, error: BaseException | None, timeout_s: float) -> ServerError:
+    """The ``ServerError`` for a bucket whose bytes did not go through: the transfer group's own failure (NCCL's
+    ``DistBackendError`` on a timeout or a dead peer, gloo's ``RuntimeError``, ``TimeoutError``), or no end of the
+    broadcast thread at all, with the server's URL and the type of the error."""
+    reason = (f"{type(error).__name__}: {error}" if error is not None
+              else f"not finished within {timeout_s:g} s")
+    return ServerError(f"rollout server {url}: sending a bucket of {tensors} tensors failed: {reason}")
+
+
+class WeightPusher:
+    """``load_weights`` of ``ServerEngine`` and the push to the project's servers; ``ServerEngine`` holds the
+    settings it reads (servers, kind, timeout, bucket size, backend, wire dtype, packing)."""
+
+    servers: list[ServerConnection]
+    kind: str
+    timeout_s: float
+    bucket_bytes: int
+    backend: str
+    transfer_address: str | None
+    dtype: torch.dtype
+    packed: bool
+    synced_step: int
+    before_push: list[Callable[[], None]]
+    last_push: dict[str, float]
+    _pack_buffer: torch.Tensor | None
+    _gather_buffer: GatherBuffer
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
+        """Push the full parameters to every server (rank 0 sends, every rank gathers), then record the version
+        the servers report. Raises ``ServerError`` on every rank if the push failed on any server; a server left
+        behind keeps its previous weights and version.
+
+        Given a ``full_named_parameters`` iterator of an FSDP2 module that has not started (what ``WeightSync``
+        passes), the project's server is fed by ``rank0_buckets``: the other ranks send their shards point to
+        point to rank 0, one bucket at a time, instead of every rank all-gathering every parameter. Anything
+        else (plain, DDP, FSDP1 modules, weights already gathered) is iterated on every rank as given."""
+        rank, world = rank_and_world()
+        for hook in self.before_push:  # the asynchronous producer's drain: batches already requested finish first
+            hook()
+        if self.before_push and world > 1:
+            everyone(True)  # so rank 0 pauses the server only once every rank's requests are in
+        module = fsdp2_source(named_tensors) if self.kind == "lit_grpo" else None
+        if self.kind == "vllm":
+            from lit_grpo.serving.vllm_client import push_vllm
+
+            outcome = push_vllm(self, iter(named_tensors), int(step), rank)
+        elif rank == 0:
+            outcome = self._push(named_tensors, module, int(step))
+        else:
+            for _ in rank0_buckets(module, self.bucket_bytes) if module is not None else named_tensors:
+                pass  # sends this rank's shards, or runs the gathers of the iterator
+            outcome = {"error": None}
+        outcomes = all_gather_objects(outcome) if world > 1 else [outcome]
+        errors = [o["error"] for o in outcomes if o["error"]]
+        if errors:
+            for server in self.servers:  # its version is no longer known on any rank
+                server.expected_version = None
+            raise ServerError(errors[0])
+        versions = outcomes[0]["versions"]
+        for server in self.servers:
+            server.expected_version = versions[server.url]
+        self.synced_step = int(versions[self.servers[0].url])
+
+    def _cast(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        target = self.dtype if tensor.is_floating_point() else tensor.dtype
+        return tensor.detach().to(device=device, dtype=target)
+
+    def _buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: nn.Module | None,
+                 convert: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Rank 0's buckets of full tensors in the wire dtype: gathered to rank 0 by ``rank0_buckets`` (an FSDP2
+        ``module``, into a receive buffer kept across pushes), or grouped from the iterator as it is gathered."""
+        from lit_grpo.serving.weight_transfer import buckets
+
+        if module is None:
+            return buckets(iter(named_tensors), self.bucket_bytes, convert)
+        gathered = rank0_buckets(module, self.bucket_bytes, self._gather_buffer)
+        return ([(name, convert(tensor)) for name, tensor in bucket] for bucket in gathered)
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: nn.Module | None, step: int) -> dict:
+        """Rank 0's push to the project's servers: the buckets are consumed to the end whatever happens (the other
+        ranks are in the gathers)."""
+        from lit_grpo.serving.weight_transfer import transport_device
+
+        device = transport_device(self.backend)
+        failed: list[Exception] = []
+        times = dict(begin_s=0.0, gather_s=0.0, send_s=0.0, finish_s=0.0, bytes=0, buckets=0)
+        mark = time.perf_counter()
+        try:
+            for server in self.servers:
+                self._begin(server)
+        except Exception as err:  # noqa: BLE001 (reported on every rank after the gathers)
+            failed.append(err)
+        times["begin_s"] = time.perf_counter() - mark
+
+        def convert(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if failed else self._cast(tensor, device)
+
+        mark = time.perf_counter()
+        for bucket in self._buckets(named_tensors, module, convert):  # the gathers run here
+            gathered = time.perf_counter()
+            times["gather_s"] += gathered - mark
+            if not failed:
+                try:
+                    info, payload = self._payload(bucket, device)
+                    for server in self.servers:
+                        self._send(server, info, payload)
+                except Exception as err:  # noqa: BLE001 (reported on every rank after the gathers)
+                    failed.append(err)
+                times["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+                times["buckets"] += 1
+            mark = time.perf_counter()
+            times["send_s"] += mark - gathered
+        versions = {}
+        if not failed:
+            try:
+                for server in self.servers:
+                    versions[server.url] = self._finish(server, str(step))
+            except Exception as err:  # noqa: BLE001 (reported on every rank)
+                failed.append(err)
+        times["finish_s"] = time.perf_counter() - mark
+        self.last_push = times
+        if failed:
+            for server in self.servers:
+                self._abandon(server)
+            return {"error": f"weight push of step {step} failed: {failed[0]}"}
+        return {"error": None, "versions": versions}
+
+    def _begin(self, server: ServerConnection) -> None:
+        info = server.client.get("/weight_info")
+        if server.group is None or not info.get("transfer_group"):
+            self._init_group(server)
+        server.client.post("/pause", query={"mode": "wait"})
+        server.client.post("/start_weight_update")
+
+    def _init_group(self, server: ServerConnection) -> None:
+        from lit_grpo.serving.weight_transfer import local_address_towards, open_group, open_store
+
+        server.close_group()
+        address = self.transfer_address or local_address_towards(server.host)
+        try:
+            store, listener = open_store(address, self.timeout_s)
+        except Exception as err:  # noqa: BLE001
+            raise ServerError(f"could not open the weight-transfer store on {address} for {server.url}: {err}") from err
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = open_group(store, 0, 2, self.backend, self.timeout_s, address)
+            except Exception as err:  # noqa: BLE001 (reported on the main thread)
+                joined["error"] = err
+
+        thread = threading.Thread(target=join, name="lit_grpo-weight-group", daemon=True)
+        thread.start()
+        init_info = {"master_address": address, "master_port": store.port, "rank_offset": 1, "world_size": 2,
+                     "backend": self.backend, "timeout_s": self.timeout_s, "packed": self.packed}
+        try:
+            server.client.post("/init_weight_transfer_engine", {"init_info": init_info})
+        except ServerError:
+            listener.close()
+            raise
+        thread.join(self.timeout_s)
+        if thread.is_alive() or "error" in joined:
+            listener.close()
+            raise ServerError(f"rollout server {server.url}: the weight-transfer group did not form "
+                              f"({joined.get('error', f'no answer within {self.timeout_s:g} s')})")
+        server.group, server.store, server.listener = joined["group"], store, listener
+
+    def _payload(self, bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[dict, list[torch.Tensor]]:
+        """A bucket's announcement (``update_info``) and the tensors that carry its bytes: one packed ``uint8``
+        tensor (a view when the tensors already lie back to back, as ``rank0_buckets`` leaves them; else written
+        into a buffer kept across buckets and pushes), or the tensors themselves."""
+        from lit_grpo.serving.weight_transfer import dtype_name, pack, packed_view
+
+        tensors = [t for _, t in bucket]
+        info = {"names": [name for name, _ in bucket], "dtype_names": [dtype_name(t.dtype) for t in tensors],
+                "shapes": [list(t.shape) for t in tensors]}
+        if not self.packed:
+            return info, [t.contiguous() for t in tensors]
+        view = packed_view(tensors, device)
+        if view is not None:
+            return info, [view]
+        if len(tensors) > 1 and (self._pack_buffer is None or self._pack_buffer.device != device):
+            self._pack_buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
+        return info, [pack(tensors, device, self._pack_buffer)]
+
+    def _send(self, server: ServerConnection, info: dict, payload: list[torch.Tensor]) -> None:
+        """Announce a bucket over HTTP (main thread, with a timeout) while its bytes go out on a daemon thread.
+        The broadcast's wait blocks that thread until the bytes are through or the transfer group's own timeout
+        has passed (also with NCCL, whose plain ``wait()`` does not block the host); its failure, or no end
+        within the timeout and a grace, is a ``ServerError`` naming the server."""
+        from lit_grpo.serving.weight_transfer import wait_work
+
+        names = info["names"]
+        sent: dict[str, Any] = {}
+        group = server.group
+
+        def broadcast() -> None:
+            try:
+                for tensor in payload:
+                    wait_work(group.broadcast(tensor, root=0), self.timeout_s)
+                sent["done"] = True
+            except Exception as err:  # noqa: BLE001 (reported on the main thread)
+                sent["error"] = err
+
+        thread = threading.Thread(target=broadcast, name="lit_grpo-weight-broadcast", daemon=True)
+        thread.start()
+        server.client.post("/update_weights", {"update_info": info})
+        thread.join(self.timeout_s + SEND_GRACE_S)  # the group's timeout fires first, with its own message
+        if "error" in sent or not sent.get("done"):
+            raise transfer_error(server.url, len(names), sent.get("error"), self.timeout_s)
+
+    def _finish(self, server: ServerConnection, version: str) -> str:
+        server.client.post("/finish_weight_update", {"weight_version": version})
+        got = version_text(server.client.get("/weight_info").get("weight_version"))
+        server.client.post("/resume")
+        if got != version:
+            raise ServerError(f"rollout server {server.url} reports weight version {got!r} after a push of {version!r}")
+        return got
+
+    def _abandon(self, server: ServerConnection) -> None:
+        """After a failed push: drop the group (the next push forms a new one) and let the server generate again
+        (it kept its previous weights)."""
+        server.close_group()
+        server.expected_version = None
+        try:
+            server.client.post("/resume", timeout_s=min(5.0, self.timeout_s))
+        except ServerError:
+            pass

@@ -1,0 +1,284 @@
+"""The rollout server's side of a weight push: the weight-transfer routes (``/init_weight_transfer_engine`` ...
+``/finish_weight_update``), the receive buffers, ``/weight_info`` and ``/weight_checker``.
+
+A push is all or nothing: buckets are received into staging tensors and the model's parameters are switched to
+them only at ``/finish_weight_update``, once every parameter has arrived, while no generation runs. A push cut
+off anywhere before that (sender killed, bad bucket, timeout) is discarded and the server keeps its previous
+weights and ``weight_version``; the next push starts from ``/init_weight_transfer_engine`` again.
+
+``WeightReceiver`` is a part of ``RolloutServer`` (``lit_grpo.serving.server``), which holds the state it uses;
+torch is imported only when a push comes.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any
+
+from lit_grpo.serving.protocol import HTTPFailure, number_field
+
+
+class WeightReceiver:
+    """The weight-transfer routes of ``RolloutServer``: one transfer call at a time (``transfer_lock``); the
+    swap at ``/finish_weight_update`` waits for the generations in flight and holds new ones back."""
+
+    model_name: str
+    params: dict[str, Any]
+    device: Any
+    dtypes: list[str]
+    cond: threading.Condition
+    paused: bool
+    in_flight: int
+    swapping: bool
+    weight_version: str | None
+    transfer_lock: threading.Lock
+    group: Any
+    store: Any
+    backend: str
+    packed: bool
+    transfer_timeout_s: float
+    staging: dict[str, Any] | None
+    receiving: bool
+    reuse_buffers: bool
+    _pool: dict[tuple[str, ...], list[Any]]
+    _live: set[int]
+    _push_buffers: list[tuple[tuple[str, ...], Any]]
+
+    @contextmanager
+    def _transfer(self):  # noqa: ANN202
+        if not self.transfer_lock.acquire(blocking=False):
+            raise HTTPFailure(409, "another weight-transfer call is in progress")
+        try:
+            yield
+        finally:
+            self.transfer_lock.release()
+
+    def _drop_transfer(self) -> None:
+        from lit_grpo.serving.weight_transfer import close_group
+
+        close_group(self.group)
+        self.group, self.store, self.staging = None, None, None
+
+    def get_world_size(self, body: dict, query: dict) -> dict:
+        return {"world_size": 1}
+
+    def init_weight_transfer_engine(self, body: dict, query: dict) -> dict:
+        import torch
+
+        from lit_grpo.serving.weight_transfer import BACKENDS, local_address_towards, open_group
+
+        info = body.get("init_info")
+        if not isinstance(info, dict):
+            raise HTTPFailure(400, 'expected {"init_info": {...}}')
+        address, port = info.get("master_address"), info.get("master_port")
+        if not isinstance(address, str) or not address or isinstance(port, bool) or not isinstance(port, int):
+            raise HTTPFailure(400, "init_info needs master_address (string) and master_port (integer)")
+        if info.get("rank_offset", 1) != 1 or info.get("world_size") != 2:
+            raise HTTPFailure(400, "this server is one process: init_info must have rank_offset 1 and world_size 2 "
+                                   f"(got {info.get('rank_offset')}, {info.get('world_size')})")
+        backend = info.get("backend", "gloo")
+        if backend not in BACKENDS or (backend == "nccl" and self.device.type != "cuda"):
+            raise HTTPFailure(400, f"backend {backend!r} is not available here; expected 'gloo'"
+                                   + (" or 'nccl'" if self.device.type == "cuda" else " (the model is on the CPU)"))
+        timeout_s = number_field(info, "timeout_s", 300.0)
+        if not 0 < timeout_s <= 3600:
+            raise HTTPFailure(400, f"timeout_s must lie in (0, 3600], got {timeout_s}")
+        packed = info.get("packed", True)
+        if not isinstance(packed, bool):
+            raise HTTPFailure(400, f"packed must be true or false, got {packed!r}")
+        with self._transfer():
+            self._drop_transfer()
+            import datetime
+
+            try:
+                store = torch.distributed.TCPStore(address, port, 2, False, datetime.timedelta(seconds=timeout_s))
+                with self._on_device():
+                    group = open_group(store, 1, 2, backend, timeout_s, local_address_towards(address))
+            except Exception as err:  # noqa: BLE001 (any failure to join is reported, the server stays up)
+                raise HTTPFailure(502, f"could not join the weight-transfer group at {address}:{port}: {err}") from err
+            self.group, self.store, self.backend, self.packed = group, store, backend, packed
+            self.transfer_timeout_s = timeout_s
+        return {"message": "Weight transfer initialized"}
+
+    def shutdown_weight_transfer_engine(self, body: dict, query: dict) -> dict:
+        with self._transfer():
+            self._drop_transfer()
+        return {"message": "Weight transfer shut down"}
+
+    def start_weight_update(self, body: dict, query: dict) -> dict:
+        with self._transfer():
+            if self.group is None:
+                raise HTTPFailure(409, "no weight-transfer group: POST /init_weight_transfer_engine first")
+            self.staging = {}
+            self._push_buffers = []
+        return {"message": "Weight update started"}
+
+    def _announced(self, body: dict) -> tuple[list[str], list, list[list[int]]]:
+        from lit_grpo.serving.weight_transfer import DTYPES
+
+        info = body.get("update_info")
+        if not isinstance(info, dict):
+            raise HTTPFailure(400, 'expected {"update_info": {"names": [...], "dtype_names": [...], "shapes": [...]}}')
+        names, dtype_names, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+        if not isinstance(names, list) or not names:
+            raise HTTPFailure(400, "update_info.names must be a non-empty list (this server does not reuse the "
+                                   "previous call's metadata)")
+        if not isinstance(dtype_names, list) or not isinstance(shapes, list) or not (
+                len(names) == len(dtype_names) == len(shapes)):
+            raise HTTPFailure(400, "update_info needs names, dtype_names and shapes of the same length")
+        dtypes = []
+        for name, dtype, shape in zip(names, dtype_names, shapes):
+            param = self.params.get(name) if isinstance(name, str) else None
+            if param is None:
+                raise HTTPFailure(400, f"unknown parameter {name!r} (this server's model is {self.model_name})")
+            if name in self.staging:
+                raise HTTPFailure(400, f"parameter {name!r} was already sent in this update")
+            if DTYPES.get(dtype) != param.dtype:
+                raise HTTPFailure(400, f"parameter {name!r} announced as {dtype!r}; the server holds "
+                                       f"{str(param.dtype).split('.')[-1]}: cast before sending")
+            if not isinstance(shape, list) or list(param.shape) != shape:
+                raise HTTPFailure(400, f"parameter {name!r} announced with shape {shape}, the server's is "
+                                       f"{list(param.shape)}")
+            dtypes.append(param.dtype)
+        return names, dtypes, shapes
+
+    def update_weights(self, body: dict, query: dict) -> dict:
+        import torch
+
+        from lit_grpo.serving.weight_transfer import nbytes, unpack, wait_work
+
+        with self._transfer():
+            if self.staging is None or self.group is None:
+                raise HTTPFailure(409, "no weight update in progress: POST /start_weight_update first")
+            try:
+                names, dtypes, shapes = self._announced(body)
+            except HTTPFailure as err:
+                # the sender's broadcast of this bucket is already under way and will never be read: the group
+                # is out of step, so it goes, and with it the partial update
+                self._drop_transfer()
+                raise HTTPFailure(err.status, f"{err.message}; the update is discarded (weight version stays "
+                                              f"{self.weight_version!r}) and the transfer group is closed") from None
+            device = self.transfer_device()
+            self.receiving = True
+            try:
+                with self._on_device():
+                    if self.packed:
+                        total = sum(nbytes(d, s) for d, s in zip(dtypes, shapes))
+                        buffer = self._receive_buffer(tuple(names), total, device)
+                        wait_work(self.group.broadcast(buffer, root=0), self.transfer_timeout_s)
+                        tensors = unpack(buffer, dtypes, shapes)
+                    else:
+                        tensors = []
+                        for dtype, shape in zip(dtypes, shapes):
+                            tensors.append(torch.empty(shape, dtype=dtype, device=device))
+                            wait_work(self.group.broadcast(tensors[-1], root=0), self.transfer_timeout_s)
+            except Exception as err:  # noqa: BLE001 (sender gone, timeout: the update is dropped, the server lives)
+                self._drop_transfer()
+                raise HTTPFailure(500, f"receiving the bucket failed ({err}); the update is discarded (weight version "
+                                       f"stays {self.weight_version!r}) and the transfer group is closed") from err
+            finally:
+                self.receiving = False
+            for name, tensor in zip(names, tensors):
+                self.staging[name] = tensor.to(self.device)
+        return {"message": "Weights updated"}
+
+    def transfer_device(self) -> Any:
+        """Where the bytes of a push arrive: the CPU over gloo, this server's own CUDA device over NCCL (not the
+        handler thread's current device, which is cuda:0 whatever ``--device`` says)."""
+        from lit_grpo.serving.weight_transfer import transport_device
+
+        return transport_device(self.backend, self.device)
+
+    @contextmanager
+    def _on_device(self) -> Any:
+        """Make the server's CUDA device current in this handler thread (NCCL and the caching allocator use the
+        current device for what is not given one); nothing on the CPU."""
+        if self.device.type != "cuda":
+            yield
+            return
+        import torch
+
+        with torch.cuda.device(self.device):
+            yield
+
+    def _receive_buffer(self, key: tuple[str, ...], total: int, device: Any) -> Any:
+        import torch
+
+        if not self.reuse_buffers or device.type != "cpu":
+            return torch.empty(total, dtype=torch.uint8, device=device)
+        pool = self._pool.setdefault(key, [])
+        free = [b for b in pool if b.numel() == total and b.data_ptr() not in self._live]
+        if free:
+            buffer = free[0]
+        else:
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            pool.append(buffer)
+        self._push_buffers.append((key, buffer))
+        return buffer
+
+    def finish_weight_update(self, body: dict, query: dict) -> dict:
+        version = body.get("weight_version")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
+            raise HTTPFailure(400, f"weight_version must be a string, got {version!r}")
+        with self._transfer():
+            if self.staging is None:
+                raise HTTPFailure(409, "no weight update in progress: POST /start_weight_update first")
+            missing = sorted(set(self.params) - set(self.staging))
+            if missing:
+                got = len(self.staging)
+                self.staging = None
+                raise HTTPFailure(400, f"the update covered {got} of {len(self.params)} parameters (missing e.g. "
+                                       f"{missing[:3]}); it is discarded and the weight version stays "
+                                       f"{self.weight_version!r}")
+            staged, self.staging = self.staging, None
+            with self.cond:
+                self.swapping = True
+                while self.in_flight:
+                    self.cond.wait()
+                try:
+                    for name, tensor in staged.items():
+                        self.params[name].data = tensor
+                    self._live = {buffer.data_ptr() for _, buffer in self._push_buffers}
+                    used = {key for key, _ in self._push_buffers}
+                    self._pool = {key: buffers for key, buffers in self._pool.items() if key in used}
+                    if version is not None:
+                        self.weight_version = str(version)
+                finally:
+                    self.swapping = False
+                    self.cond.notify_all()
+        return {"message": "Weight update finished", "weight_version": self.weight_version}
+
+    def update_weight_version(self, body: dict, query: dict) -> dict:
+        version = body.get("new_version")
+        if isinstance(version, bool) or not isinstance(version, (str, int)):
+            raise HTTPFailure(400, f"new_version must be a string, got {version!r}")
+        with self.cond:
+            self.weight_version = str(version)
+        return {"success": True, "new_version": self.weight_version}
+
+    def weight_info(self, body: dict, query: dict) -> dict:
+        staging = self.staging
+        return {"weight_version": self.weight_version, "model": self.model_name, "dtypes": self.dtypes,
+                "device": str(self.device), "num_parameters": len(self.params), "updating": staging is not None,
+                "staged_parameters": len(staging) if staging is not None else 0, "receiving": self.receiving,
+                "paused": self.paused,
+                "transfer_group": self.group is not None}
+
+    def weight_checker(self, body: dict, query: dict) -> dict:
+        from lit_grpo.serving.weight_transfer import checksum
+
+        action = body.get("action")
+        if action not in ("checksum", "compare"):
+            raise HTTPFailure(400, f"action must be 'checksum' or 'compare', got {action!r}")
+        with self.cond:  # not while a swap runs
+            while self.swapping:
+                self.cond.wait()
+            sums = {name: checksum(p) for name, p in self.params.items()}
+        if action == "checksum":
+            return {"checksums": sums}
+        baseline = body.get("baseline")
+        if not isinstance(baseline, dict):
+            raise HTTPFailure(400, "action='compare' requires a 'baseline' object")
+        mismatches = sorted(k for k in sums.keys() | baseline.keys() if sums.get(k) != baseline.get(k))
+        return {"match": not mismatches, "mismatches": mismatches}

@@ -1,0 +1,138 @@
+"""Units of asynchronous rollouts: the producer thread (order, errors, drain, close), the staleness bookkeeping
+and the checkpoint form of generated batches."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lit_grpo.data.staleness import (
+    check_staleness_setup,
+    groups_from_state,
+    groups_to_state,
+    staleness_stats,
+    weight_version_of,
+)
+from lit_grpo.engines.base import Completion
+from lit_grpo.serving.producer import ProducerClosed, RolloutProducer
+
+
+def test_jobs_run_in_order_on_one_thread_and_results_wait_to_be_taken():
+    producer = RolloutProducer()
+    seen = []
+
+    def job(k):
+        seen.append((k, threading.current_thread().name))
+        return k * 10
+
+    for k in range(4):
+        producer.submit(k, lambda k=k: job(k))
+    assert producer.take(2) == (20, None)
+    producer.drain()
+    assert [k for k, _ in seen] == [0, 1, 2, 3]
+    assert {name for _, name in seen} == {"rollout-producer"}  # never the training thread
+    assert sorted(producer.finished()) == [0, 1, 3]  # 2 was taken
+    assert producer.take(0) == (0, None)
+    producer.close()
+
+
+def test_a_failing_job_hands_its_exception_to_the_taker_and_the_next_job_still_runs():
+    producer = RolloutProducer()
+
+    def fail():
+        raise ConnectionError("server at http://127.0.0.1:1 is gone")
+
+    producer.submit("a", fail)
+    producer.submit("b", lambda: "fine")
+    result, error = producer.take("a")
+    assert result is None and isinstance(error, ConnectionError) and "127.0.0.1:1" in str(error)
+    assert producer.take("b") == ("fine", None)
+    producer.close()
+
+
+def test_drain_waits_for_the_running_job_and_the_queue():
+    producer = RolloutProducer()
+    release = threading.Event()
+    producer.submit(0, lambda: release.wait(5) and "slow")
+    producer.submit(1, lambda: "quick")
+    threading.Timer(0.3, release.set).start()
+    start = time.perf_counter()
+    producer.drain()
+    assert time.perf_counter() - start >= 0.25
+    assert producer.idle() and sorted(producer.finished()) == [0, 1]
+    producer.close()
+
+
+def test_duplicate_unknown_and_closed_jobs_are_refused():
+    producer = RolloutProducer()
+    producer.submit(0, lambda: 0)
+    with pytest.raises(ValueError, match="already submitted"):
+        producer.submit(0, lambda: 0)
+    with pytest.raises(KeyError, match="never submitted"):
+        producer.take(7)
+    block = threading.Event()
+    producer.submit(1, lambda: block.wait(5))
+    producer.submit(2, lambda: 2)
+    waiter_error = []
+
+    def wait_for_2():
+        try:
+            producer.take(2)
+        except ProducerClosed as err:
+            waiter_error.append(err)
+
+    waiter = threading.Thread(target=wait_for_2)
+    waiter.start()
+    time.sleep(0.1)
+    producer.close()  # job 2 is dropped: its taker stops waiting
+    waiter.join(5)
+    block.set()
+    assert waiter_error and not waiter.is_alive()
+    with pytest.raises(ProducerClosed):
+        producer.submit(3, lambda: 3)
+
+
+def completion(versions, n=2):
+    return Completion(list(range(n)), [-0.5] * n, False, tuple(versions))
+
+
+def test_staleness_is_the_step_minus_the_oldest_version_of_each_completion():
+    groups = [[completion(["4"]), completion(["3", "4"])], [completion(["4"]), completion(["4"])]]
+    assert weight_version_of(groups[0][1]) == 3
+    stats = staleness_stats(groups, step=5)
+    assert stats == {"staleness_mean": (1 + 2 + 1 + 1) / 4, "staleness_max": 2.0, "mixed_versions": 1.0}
+
+
+def test_a_completion_without_a_version_or_with_a_foreign_one_is_refused():
+    with pytest.raises(ValueError, match="carries no weight version"):
+        weight_version_of(completion([]))
+    with pytest.raises(ValueError, match="not optimizer steps"):
+        weight_version_of(completion(["policy-v2"]))
+
+
+def test_generated_batches_survive_their_checkpoint_form():
+    groups = [[Completion([5, 6, 7], [-0.25, -1.5, -2.0], True, ("3",))], [completion(["2", "3"], n=1)]]
+    state = groups_to_state(groups)
+    assert all(type(x) in (int, float, bool, str) for g in state for c in g for v in c.values()
+               for x in (v if isinstance(v, list) else [v]))
+    assert groups_from_state(state) == groups
+
+
+@pytest.mark.parametrize(("k", "engine", "match"), [
+    (-1, "server", "integer >= 0"), (1.5, "server", "integer >= 0"), (True, "server", "integer >= 0"),
+    (1, "transformers", "stays synchronous"), (2, "vllm", "stays synchronous"),
+])
+def test_bad_staleness_settings_are_refused_with_the_value(k, engine, match):
+    with pytest.raises(ValueError, match=match):
+        check_staleness_setup(k, engine)
+
+
+def test_async_rollouts_refuse_a_delayed_weight_sync():
+    class Delayed:
+        delay_batches = 2
+
+    with pytest.raises(ValueError, match="delay_batches=2"):
+        check_staleness_setup(1, "server", [Delayed()])
+    check_staleness_setup(0, "transformers", [Delayed()])  # synchronous: any engine, any sync

@@ -1,0 +1,75 @@
+"""``python -m lit_grpo export|eval|serve`` import only what the command needs: their ``--help`` and a bad
+argument answer without torch or Lightning (the time it takes is measured by hand, not tested here)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "lightning", "transformers", "jsonargparse")
+
+# runs the dispatcher as `python -m lit_grpo` does, then reports the exit status and which heavy modules loaded
+PROBE = """
+import json, sys
+from lit_grpo.commands import main
+try:
+    main(sys.argv[1:])
+    code = 0
+except SystemExit as exit_:
+    code = exit_.code
+print(json.dumps({"code": code, "loaded": [m for m in HEAVY if m in sys.modules]}), file=sys.__stdout__)
+""".replace("HEAVY", repr(HEAVY))
+
+
+def probe(*args: str, cwd) -> tuple[dict, str, str]:
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    *out, last = proc.stdout.strip().splitlines()
+    return json.loads(last), "\n".join(out), proc.stderr
+
+
+@pytest.mark.parametrize("command", ["export", "eval", "serve"])
+def test_help_imports_neither_torch_nor_lightning(command, tmp_path):
+    result, out, err = probe(command, "--help", cwd=tmp_path)
+    assert result == {"code": 0, "loaded": []}, err[-2000:]
+    assert f"python -m lit_grpo {command}" in out or "usage:" in out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["export", "only_one.ckpt"], ["the following arguments are required: out_dir", "usage:"]),
+    (["eval", "--model", "tiny-random-llama", "--ks", "1,x"], ["--ks", "'1,x'"]),
+    (["eval", "--model", "tiny-random-llama", "--num_questions", "0"], ["--num_questions must be >= 1, got 0"]),
+    (["eval"], ["one of the arguments --model --ckpt is required"]),
+])
+def test_a_bad_argument_is_one_line_before_torch_loads(args, expected, tmp_path):
+    result, _, err = probe(*args, cwd=tmp_path)
+    lines = err.strip().splitlines()
+    assert result == {"code": 2, "loaded": []}, err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for text in expected:
+        assert text in lines[0]
+    assert lines[0].endswith(f"({' '.join(args)})")
+
+
+def test_python_m_lit_grpo_dispatches_through_the_light_entry(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "lit_grpo", "export", "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage: python -m lit_grpo export" in proc.stdout, proc.stderr
+
+
+def test_training_subcommands_go_to_lightning_cli(monkeypatch):
+    import lit_grpo.commands as commands
+
+    calls = []
+
+    class FakeTraining:
+        @staticmethod
+        def main(argv):
+            calls.append(argv)
+            return "cli"
+
+    monkeypatch.setattr(commands.importlib, "import_module",
+                        lambda name: FakeTraining if name == commands.TRAINING else None)
+    assert commands.main(["fit", "--config", "x.yaml"]) == "cli"
+    assert commands.main([]) == "cli"
+    assert calls == [["fit", "--config", "x.yaml"], []]
