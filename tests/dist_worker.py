@@ -175,7 +175,7 @@ def run_job(job: dict, workdir: str) -> dict:
     world = int(job.get("world", 1))
     recorder = MetricsRecorder()
     pushed = PushedVersions()
-    callbacks = [WeightSync(every_n_batches=job.get("v", 1)), pushed]
+    callbacks = [WeightSync(every_n_batches=job.get("v", 1), max_tv=job.get("max_tv")), pushed]
     if job.get("swap_every"):
         callbacks.append(RefModelSwap(every_n_optimizer_steps=job["swap_every"]))
     compare = EngineVsPolicy() if job.get("compare_engine") else None

@@ -45,6 +45,8 @@ def runs(tmp_path_factory):
             "first_half": job(first, 1, 3, ckpt_out=ckpt),
             "k2": job(first, 2, 5),
             "k1_v3": job(first, 1, 7, v=3),
+            # the Theorem-1 monitor decides the pushes: any drift (TV > 0) syncs after every batch
+            "k1_tv": job(first, 1, 5, v=10, max_tv=0.0),
             "frozen": dict(job(first, 1, 4), module=dict(beta=0.1, lr=1e-30)),
         }
         names = list(jobs)
@@ -93,6 +95,14 @@ def test_staleness_stays_within_its_bound_and_every_version_was_held_by_the_serv
         assert len(versions) == 1 and versions[0] in pushed, (versions, pushed)
     # off-policy batches use the sampler's log-probs as alpha: the ratio moves once the policy has moved
     assert any(s["train/ratio_first_iteration_min"] < 1.0 for s in steps[k:])
+
+
+def test_max_tv_still_decides_the_pushes_with_asynchronous_rollouts(runs):
+    result = runs[0]["k1_tv"]
+    # v = 10 alone would never push in 5 batches; TV > 0 after every update pushes after every batch, so the batches
+    # are exactly one version old, as at v = 1
+    assert [s["rollout/staleness_max"] for s in result["steps"]] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert result["pushed"] == [0, 1, 2, 3, 4, 5]
 
 
 def test_with_frozen_weights_the_first_iteration_ratio_is_one_whatever_the_staleness(runs):

@@ -5,7 +5,12 @@ On-Policy and Off-Policy Training" unless stated otherwise.
 """
 
 from lit_grpo.math.advantages import group_advantages, zero_variance_mask
-from lit_grpo.math.aggregation import AGGREGATION_MODES, token_weights
+from lit_grpo.math.aggregation import (
+    AGGREGATION_MODES,
+    token_weights,
+    zero_variance_dropped_weights,
+    zero_variance_masked_weights,
+)
 from lit_grpo.math.kl import k3_kl
 from lit_grpo.math.logprobs import selective_log_softmax, token_entropy
 from lit_grpo.math.objective import GRPOLossConfig, grpo_loss
@@ -60,5 +65,7 @@ __all__ = [
     "truncate_ratio",
     "tv_estimate",
     "tv_from_sum_count",
+    "zero_variance_dropped_weights",
     "zero_variance_mask",
+    "zero_variance_masked_weights",
 ]
