@@ -3,7 +3,8 @@ processes with the project's rollout server (the paper's layout on CPU), and 1 t
 
 The job is the demo shape of ``step_time.py``: SmolLM2-135M-Instruct in float32, a frozen reference (beta 0.1),
 2 GSM8K prompts x G = 8 completions per step, 64 new tokens, temperature 1.0, one AdamW step per rollout batch,
-weights synced to the in-process rollout engine every step (v = 1). The global batch is the same in every layout:
+weights synced to the in-process rollout engine every step (v = 1), no Theorem-1 after-update pass (``--tv-monitor``
+adds it: one more no-grad forward, on by default in training). The global batch is the same in every layout:
 1 process draws both prompts; 2 processes draw one each. In the ``server`` layout a third process
 (``python -m lit_grpo serve``, one thread) samples the rollouts and rank 0 pushes the weights to it every step;
 ``server1`` is one trainer process and the server.
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores/procs)")
     parser.add_argument("--max-staleness", type=int, nargs="+", default=[0],
                         help="data.max_staleness values to run the server layouts with (K >= 1: asynchronous)")
+    parser.add_argument("--tv-monitor", action="store_true",
+                        help="keep the Theorem-1 monitor's after-update pass (model.monitor_tv_after_update), one "
+                             "more no-grad forward; off by default, as in step_time.py (the demo-shape job)")
     parser.add_argument("--output", type=Path, default=OUTPUT)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -111,7 +115,7 @@ def worker(args: argparse.Namespace) -> None:
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[WeightSync(), timer],
                         default_root_dir=str(REPO_ROOT / "benchmarks" / "results" / "lightning_logs"))
     module = GRPOModule(model_name=args.model, beta=0.1, optimizer=OptimizerArgs(lr=1e-6),
-                        max_completion_length=args.max_new_tokens,
+                        max_completion_length=args.max_new_tokens, monitor_tv_after_update=args.tv_monitor,
                         log_completions_every_n_steps=None)
     data = RolloutDataModule(prompts_per_step=args.prompts // world, num_generations=args.generations,
                              micro_batch_size=args.prompts // world * args.generations,
@@ -150,6 +154,8 @@ def run_ranks(layout: str, args: argparse.Namespace, extra_env: dict[str, str]) 
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--max-staleness", str(args.max_staleness[0])]
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    if args.tv_monitor:
+        argv.append("--tv-monitor")
     procs = []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),

@@ -22,6 +22,10 @@ class OptimizerArgs:
         betas: AdamW's (beta1, beta2), each in [0, 1).
         warmup_steps: optimizer steps of linear warmup from lr / warmup_steps to lr (0: none).
         schedule: after the warmup, ``constant``, or ``linear`` / ``cosine`` decay to 0 at ``trainer.max_steps``.
+        fused: AdamW's fused kernel where it applies (plain float parameters on the CPU; see :func:`fuses_on_cpu`):
+            one pass over the parameters instead of about ten, 0.07 s a step against 0.46-0.60 s for SmolLM2-135M
+            on 2 CPU cores. Off by default: it rounds differently from torch's default loop (within 3e-7 after a
+            few steps), so runs with it do not repeat the committed curves bit for bit.
     """
 
     lr: float = 1e-6
@@ -29,6 +33,7 @@ class OptimizerArgs:
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
+    fused: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
@@ -41,6 +46,8 @@ class OptimizerArgs:
             raise ValueError(f"optimizer.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown optimizer.schedule {self.schedule!r}; expected one of {SCHEDULES}")
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"optimizer.fused must be true or false, got {self.fused!r}")
 
 
 def warmup_lambda(warmup_steps: int, total_steps: int | None, schedule: str) -> Callable[[int], float]:
@@ -67,6 +74,19 @@ def build_optimizer(
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over ``params`` and its warmup-then-schedule multiplier; ``total_steps`` (``trainer.max_steps``) is
     needed by the decaying schedules only."""
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=tuple(args.betas))
+    params = list(params)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=tuple(args.betas),
+                                  fused=True if args.fused and fuses_on_cpu(params) else None)
     factor = warmup_lambda(args.warmup_steps, total_steps, args.schedule)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def fuses_on_cpu(params: list[torch.Tensor]) -> bool:
+    """Whether ``optimizer.fused`` can take AdamW's fused kernel: when every parameter is a plain float tensor on
+    the CPU. On a CPU, torch's default AdamW loops over the parameters with about ten elementwise passes each; the
+    fused kernel makes one. Sharded parameters (FSDP2's ``DTensor``) and accelerators keep torch's default
+    (``foreach`` on CUDA), the implementation the GPU checks ran with."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(
+        p.device.type == "cpu" and p.is_floating_point() and not isinstance(p, DTensor) for p in params)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lit_grpo.batch import MicroBatch
-from lit_grpo.math.logprobs import selective_log_softmax, token_entropy
+from lit_grpo.math.logprobs import selective_log_softmax_with_normaliser, token_entropy
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -28,14 +28,20 @@ def completion_logprobs(
     function, with the prompt computed G times (see :func:`checkpointing_drops_cache`).
     """
     if checkpointing_drops_cache(model):
-        logits = _logits_without_cache(model, mb)
+        pieces = [(_logits_without_cache(model, mb), mb.completion_ids)]
     else:
-        logits = _logits_with_shared_prompt(model, mb)
-    logp = selective_log_softmax(logits, mb.completion_ids, temperature)
+        pieces = _logits_with_shared_prompt(model, mb)
+    # one piece at a time: concatenating the logits would copy the largest tensor of the update
+    logps, entropies = [], []
+    for logits, tokens in pieces:
+        logp, normaliser = selective_log_softmax_with_normaliser(logits, tokens, temperature)
+        logps.append(logp)
+        if with_entropy:
+            entropies.append(token_entropy(logits.detach(), temperature, normaliser))
+    logp = logps[0] if len(logps) == 1 else torch.cat(logps, dim=1)
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            entropy = token_entropy(logits.detach(), temperature)
+        entropy = entropies[0] if len(entropies) == 1 else torch.cat(entropies, dim=1)
     return logp, entropy
 
 
@@ -66,8 +72,9 @@ def _logits_without_cache(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
     ).logits
 
 
-def _logits_with_shared_prompt(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """The same logits, with one prompt forward per distinct prompt and its KV cache shared by the rows."""
+def _logits_with_shared_prompt(model: nn.Module, mb: MicroBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same logits, with one prompt forward per distinct prompt and its KV cache shared by the rows, as
+    ``(logits, tokens they predict)`` pieces: the first completion token (from the prompt pass), then the rest."""
     out = model(
         input_ids=mb.prompt_ids,
         attention_mask=mb.prompt_mask,
@@ -77,7 +84,7 @@ def _logits_with_shared_prompt(model: nn.Module, mb: MicroBatch) -> torch.Tensor
     )
     cache = out.past_key_values
     cache.batch_select_indices(mb.prompt_index)
-    logits = out.logits[:, -1:][mb.prompt_index]  # predicts the first completion token
+    pieces = [(out.logits[:, -1:][mb.prompt_index], mb.completion_ids[:, :1])]  # predicts the first token
     if mb.completion_ids.shape[1] > 1:
         full_mask = torch.cat([mb.prompt_mask[mb.prompt_index], mb.completion_mask[:, :-1]], dim=1)
         positions = positions_from_mask(full_mask)[:, mb.prompt_mask.shape[1] :]
@@ -88,5 +95,5 @@ def _logits_with_shared_prompt(model: nn.Module, mb: MicroBatch) -> torch.Tensor
             past_key_values=cache,
             use_cache=True,
         ).logits
-        logits = torch.cat([logits, rest], dim=1)
-    return logits
+        pieces.append((rest, mb.completion_ids[:, 1:]))
+    return pieces

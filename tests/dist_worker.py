@@ -235,3 +235,8 @@ if __name__ == "__main__":
         results.append(run_job(job, str(Path(prefix).parent / f"job{i}")))
     rank = results[0]["rank"] if results else 0
     Path(f"{prefix}.{rank}.json").write_text(json.dumps(results))
+    # an orderly end: a rank that exits while its peer still finishes the last gather can abort in gloo's teardown
+    # ("terminate called without an active exception"), which the launcher reports as a failed run
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

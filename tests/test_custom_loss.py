@@ -230,7 +230,7 @@ def test_groups_are_plain_dicts_in_the_checkpoint_and_load_back(tmp_path):
     trainer.save_checkpoint(tmp_path / "m.ckpt")
     hp = torch.load(tmp_path / "m.ckpt", weights_only=True)["hyper_parameters"]  # plain types only
     assert hp["optimizer"] == {"lr": 2e-3, "weight_decay": 0.0, "betas": (0.8, 0.9), "warmup_steps": 0,
-                               "schedule": "constant"}
+                               "schedule": "constant", "fused": False}
     assert hp["loss_options"]["grpo"] == {"eps_low": 0.1, "eps_high": 0.3, "exact_ref_ratio": False,
                                           "ratio_cap": None}
     loaded = GRPOModule.load_from_checkpoint(tmp_path / "m.ckpt")

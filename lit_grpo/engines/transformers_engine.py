@@ -11,6 +11,7 @@ from torch import nn
 
 from lit_grpo.distributed import is_sharded
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
+from lit_grpo.engines.kv_cache import preallocate
 from lit_grpo.engines.static_decoding import StaticDecoder
 from lit_grpo.math.logprobs import selective_log_softmax
 from lit_grpo.model_copies import materialize, skeleton_copy
@@ -185,6 +186,7 @@ class TransformersEngine(RolloutEngine):
         expand = torch.arange(len(prompts), device=device).repeat_interleave(n)
         cache = out.past_key_values
         cache.batch_select_indices(expand)
+        preallocate(cache, sampling.max_new_tokens)  # written in place: no copy of the whole cache per token
         logits = out.logits[:, -1][expand]
         attention = mask[expand]
         rows = expand.numel()
