@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -235,8 +236,11 @@ if __name__ == "__main__":
         results.append(run_job(job, str(Path(prefix).parent / f"job{i}")))
     rank = results[0]["rank"] if results else 0
     Path(f"{prefix}.{rank}.json").write_text(json.dumps(results))
-    # an orderly end: a rank that exits while its peer still finishes the last gather can abort in gloo's teardown
-    # ("terminate called without an active exception"), which the launcher reports as a failed run
+    # the results are on disk; end without interpreter teardown. A gloo rank has aborted in its teardown at exit
+    # ("terminate called without an active exception", exit -6) after writing complete results, which the
+    # launcher reports as a failed run; the barrier first, so that no rank leaves while a peer still gathers
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
