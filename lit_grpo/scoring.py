@@ -38,11 +38,7 @@ def completion_logprobs(
         logps.append(logp)
         if with_entropy:
             entropies.append(token_entropy(logits.detach(), temperature, normaliser))
-    logp = logps[0] if len(logps) == 1 else torch.cat(logps, dim=1)
-    entropy = None
-    if with_entropy:
-        entropy = entropies[0] if len(entropies) == 1 else torch.cat(entropies, dim=1)
-    return logp, entropy
+    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1) if with_entropy else None
 
 
 def checkpointing_drops_cache(model: nn.Module) -> bool:

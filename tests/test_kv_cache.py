@@ -46,16 +46,28 @@ def test_preallocate_converts_filled_dynamic_layers_only():
         preallocate(cache, -1)
 
 
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_decoding_with_it_is_bit_for_bit_the_growing_cache(monkeypatch, temperature, top_p):
+@pytest.mark.parametrize("temperature, top_p, autocast", [(1.0, 1.0, False), (0.7, 0.9, False), (1.0, 1.0, True)])
+def test_decoding_with_it_is_bit_for_bit_the_growing_cache(monkeypatch, temperature, top_p, autocast):
+    """Also under bf16 autocast, where Llama-family keys come out of RoPE in float32 and values in bfloat16: each
+    buffer keeps its own dtype."""
     model, tokenizer = load_model_and_tokenizer("tiny-random-llama")
     prompts = [tokenizer.encode(t) for t in ("What is 2+2?", "Name a prime number.", "12*3=")]
     sampling = SamplingConfig(max_new_tokens=20, temperature=temperature, top_p=top_p)
+    converted = []
+
+    def spy(cache, extra):  # the engine really decodes through the preallocated layers
+        preallocate(cache, extra)
+        converted.extend(type(layer) for layer in cache.layers)
+        return cache
 
     def run() -> list:
         engine = TransformersEngine(model, eos_token_ids(tokenizer, model), tokenizer.pad_token_id, decode="dynamic")
-        return [[(c.token_ids, c.logprobs, c.truncated) for c in g] for g in engine.generate(prompts, 4, sampling, 7)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            groups = engine.generate(prompts, 4, sampling, 7)
+        return [[(c.token_ids, c.logprobs, c.truncated) for c in g] for g in groups]
 
+    monkeypatch.setattr(engine_module, "preallocate", spy)
     in_place = run()
+    assert converted and all(kind is PreallocatedLayer for kind in converted)
     monkeypatch.setattr(engine_module, "preallocate", lambda cache, extra: cache)
     assert run() == in_place

@@ -71,11 +71,10 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0,
         scaled = scaled / temperature
     if normaliser is None:
         normaliser = logsumexp_last(scaled)
-    if scaled.device.type != "cpu":
-        return normaliser - torch.linalg.vecdot(torch.sub(scaled, normaliser.unsqueeze(-1)).exp_(), scaled)
     rows, lse = _rows(scaled), normaliser.reshape(-1)
     out = torch.empty_like(lse)
-    chunk = cpu_chunk_rows(rows.shape[-1])
+    # on a CPU in cache-sized chunks of rows; elsewhere in one piece
+    chunk = cpu_chunk_rows(rows.shape[-1]) if scaled.device.type == "cpu" else max(1, rows.shape[0])
     for part, part_lse, part_out in zip(rows.split(chunk), lse.split(chunk), out.split(chunk)):
         probs = torch.sub(part, part_lse.unsqueeze(-1)).exp_()
         torch.sub(part_lse, torch.linalg.vecdot(probs, part), out=part_out)
