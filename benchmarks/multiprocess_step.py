@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tv-monitor", action="store_true",
                         help="keep the Theorem-1 monitor's after-update pass (model.monitor_tv_after_update), one "
                              "more no-grad forward; off by default, as in step_time.py (the demo-shape job)")
+    parser.add_argument("--reference-on-server", action="store_true",
+                        help="server layouts: the server also computes pi_ref's log-probs (data.reference_on_server), "
+                             "so the trainer skips its reference pass")
     parser.add_argument("--output", type=Path, default=OUTPUT)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -98,7 +101,8 @@ def worker(args: argparse.Namespace) -> None:
             m = trainer.callback_metrics
             self.steps.append({"total": now - self.last, "rollout": float(m["rollout/rollout_seconds"]),
                                "update": float(m["train/update_seconds"]), "sync": float(m.get("sync/seconds", 0)),
-                               "reward": float(m["rollout/reward_mean"])})
+                               "reward": float(m["rollout/reward_mean"]),
+                               "reference_served": float(m.get("train/reference_served", 0.0))})
             self.last = time.perf_counter()
 
     timeout = timedelta(seconds=600)
@@ -107,6 +111,7 @@ def worker(args: argparse.Namespace) -> None:
                 "fsdp2": fsdp2, "server": fsdp2, "server1": "auto"}[layout]
     # the server layouts: the ranks send their prompts to the project's rollout server, rank 0 pushes the weights
     engine = {"engine": "server", "max_staleness": args.max_staleness[0],
+              "reference_on_server": args.reference_on_server,
               "engine_options": {"url": os.environ["LIT_GRPO_BENCH_URL"], "timeout_s": 120,
                                  "generate_timeout_s": 900}} if layout in SERVED else {}
     timer = Timer()
@@ -156,6 +161,8 @@ def run_ranks(layout: str, args: argparse.Namespace, extra_env: dict[str, str]) 
         argv += ["--threads", str(args.threads)]
     if args.tv_monitor:
         argv.append("--tv-monitor")
+    if args.reference_on_server:
+        argv.append("--reference-on-server")
     procs = []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),

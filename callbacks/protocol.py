@@ -2,7 +2,8 @@
 
 - Policy: ``pl_module.policy`` (an ``nn.Module``); without that attribute the LightningModule itself is the policy.
 - Reference (``RefModelSwap``): ``pl_module.reference``, an ``nn.Module`` with the policy's parameter layout,
-  or ``None`` (nothing to swap; stages are still counted).
+  or ``None`` (nothing to swap; stages are still counted). An integer ``pl_module.reference_version``, when
+  present, counts the swaps: ``WeightSync`` pushes pi_ref to an engine that scores it whenever it changed.
 - Rollout engine (``WeightSync``): passed to the callback, or found as ``trainer.datamodule.rollout_engine`` or
   ``pl_module.rollout_engine``. It needs ``load_weights(named_tensors, step)`` and ``synced_step``; with
   ``state_dict()`` / ``load_state_dict(state, step)`` a lagging engine survives a restart exactly.

@@ -55,6 +55,8 @@ class RefModelSwap(Callback):
                     model.reshard()
             for ref_param, param in zip(reference.parameters(), policy.parameters(), strict=True):
                 ref_param.copy_(param)
+            if hasattr(pl_module, "reference_version"):  # a copy of pi_ref elsewhere (a rollout server) is stale
+                pl_module.reference_version += 1
         if self.reset_optimizer:
             for optimizer in trainer.optimizers:
                 optimizer.state.clear()

@@ -64,8 +64,20 @@ class WeightSync(Callback):
         self._restored_engine_state: dict | None = None
         self._restored = False
 
+    def push_reference_if_stale(self, engine: Any, pl_module: L.LightningModule) -> None:
+        """An engine that scores pi_ref itself (``serves_reference``: ``data.reference_on_server``) gets pi_ref
+        before the policy whenever the copy it holds is not the module's current one (at the start of a fit, and
+        at the first sync after each ``RefModelSwap``). Until then the module computes pi_ref's log-probs."""
+        reference = getattr(pl_module, "reference", None) if getattr(engine, "serves_reference", False) else None
+        if reference is None:
+            return
+        version = str(getattr(pl_module, "reference_version", 0))
+        if engine.reference_version != version:
+            engine.load_reference(full_named_tensors(reference), version)
+
     def sync(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         start = time.perf_counter()
+        self.push_reference_if_stale(engine_of(trainer, pl_module, self.engine), pl_module)
         if self.delay_batches:  # take the weights now (a collective under FSDP), deliver them later
             weights = {name: t.detach().to("cpu", copy=True) for name, t in full_named_tensors(policy_of(pl_module))}
             self.in_flight.append((self.batches_seen + self.delay_batches, trainer.global_step, weights))
@@ -94,6 +106,7 @@ class WeightSync(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = engine_of(trainer, pl_module, self.engine)
+        self.push_reference_if_stale(engine, pl_module)
         if self._restored_engine_state is not None:
             engine.load_state_dict(self._restored_engine_state, step=self.last_sync_step)
             self._restored_engine_state = None

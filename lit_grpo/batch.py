@@ -43,6 +43,10 @@ class RolloutBatch:
     truncated: torch.Tensor  # [S] bool: hit max_new_tokens without an end-of-sequence token
     alpha_logp: torch.Tensor | None = None  # [S, C] log alpha(y_t | ...); None: alpha is pi_k (engine in sync)
     sampler_logp: torch.Tensor | None = None  # [S, C] as reported by the engine while sampling
+    #: [S, C] log pi_ref(y_t | ...) computed by the rollout server (``data.reference_on_server``), and the version
+    #: of pi_ref it used (the trainer's ``reference_version`` when it was pushed); None: the trainer computes them
+    reference_logp: torch.Tensor | None = None
+    reference_version: str | None = None
     group_size: int = 1
     micro_batch_size: int = 8
     batch_index: int = 0  # position in the prompt stream (for resume)
@@ -58,21 +62,33 @@ class RolloutBatch:
     def micro_batches(self) -> Iterator[MicroBatch]:
         """Slices of ``micro_batch_size`` completions, in order; the same slicing everywhere keeps scoring by
         the rollout engine and by the policy bit-for-bit comparable."""
-        for start in range(0, self.num_sequences, self.micro_batch_size):
-            rows = slice(start, min(start + self.micro_batch_size, self.num_sequences))
-            groups = self.group_index[rows]
-            unique, inverse = torch.unique(groups, sorted=True, return_inverse=True)
-            p_mask = self.prompt_mask[unique]
-            keep_from = int((p_mask.sum(0) > 0).nonzero().min()) if p_mask.any() else 0
-            c_mask = self.completion_mask[rows]
-            # at least two columns when the batch has them: scoring then always makes the same two forwards,
-            # which sharded (FSDP) ranks must make together; a padded column is masked and changes no number
-            width = max(int(c_mask.sum(1).max()), min(2, self.completion_ids.shape[1]))
-            yield MicroBatch(
-                prompt_ids=self.prompt_ids[unique][:, keep_from:],
-                prompt_mask=p_mask[:, keep_from:],
-                prompt_index=inverse,
-                completion_ids=self.completion_ids[rows][:, :width],
-                completion_mask=c_mask[:, :width],
-                rows=rows,
-            )
+        return micro_batch_views(self.prompt_ids, self.prompt_mask, self.group_index, self.completion_ids,
+                                 self.completion_mask, self.micro_batch_size)
+
+
+def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor,
+                      completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                      micro_batch_size: int) -> Iterator[MicroBatch]:
+    """The micro-batches of a padded rollout layout (``RolloutBatch.micro_batches``): contiguous slices of
+    ``micro_batch_size`` completions with the distinct prompts they need, each trimmed of the padding no row of
+    it uses. A rollout server scoring pi_ref gets exactly these slices, so its numbers line up with the
+    trainer's."""
+    num_sequences = int(completion_ids.shape[0])
+    for start in range(0, num_sequences, micro_batch_size):
+        rows = slice(start, min(start + micro_batch_size, num_sequences))
+        groups = group_index[rows]
+        unique, inverse = torch.unique(groups, sorted=True, return_inverse=True)
+        p_mask = prompt_mask[unique]
+        keep_from = int((p_mask.sum(0) > 0).nonzero().min()) if p_mask.any() else 0
+        c_mask = completion_mask[rows]
+        # at least two columns when the batch has them: scoring then always makes the same two forwards,
+        # which sharded (FSDP) ranks must make together; a padded column is masked and changes no number
+        width = max(int(c_mask.sum(1).max()), min(2, completion_ids.shape[1]))
+        yield MicroBatch(
+            prompt_ids=prompt_ids[unique][:, keep_from:],
+            prompt_mask=p_mask[:, keep_from:],
+            prompt_index=inverse,
+            completion_ids=completion_ids[rows][:, :width],
+            completion_mask=c_mask[:, :width],
+            rows=rows,
+        )

@@ -20,6 +20,7 @@ from lit_grpo.batch import MicroBatch, RolloutBatch
 from lit_grpo.distributed import (
     all_gather_objects,
     clip_grad_norm,
+    everyone,
     fsdp1_wrap_model,
     fully_shard_model,
     gradient_sync_paused,
@@ -133,6 +134,10 @@ class GRPOModule(L.LightningModule):
         # so that on an accelerator it is copied straight there instead of doubling the policy on the host
         self._modules["reference"] = None  # the property below reads it; set directly, past the property
         self._reference_pending = beta > 0
+        #: how many times pi_ref was replaced (``RefModelSwap``): the label of pi_ref's weights, so a copy of pi_ref
+        #: on a rollout server (``data.reference_on_server``) is used only while it is the current one
+        self.reference_version = 0
+        self._reference_served = False
         self._grad_norms: list[torch.Tensor] = []
         if gradient_checkpointing:
             # the reference copy is a plain copy: it never recomputes (no grad) and keeps its KV cache
@@ -239,10 +244,27 @@ class GRPOModule(L.LightningModule):
             return zero_variance_dropped_weights(mask, batch.group_mask, *args)
         return token_weights(mask, *args)
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the objective has a KL term (beta > 0), hence pi_ref's log-probs."""
+        return self.hparams.beta > 0
+
     @torch.no_grad()
-    def reference_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor | None]:
+    def reference_logprobs(self, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> list[torch.Tensor | None]:
+        """pi_ref's log-probs per micro-batch: the rollout server's (``batch.reference_logp``,
+        ``data.reference_on_server``) when every rank's batch was scored with the current pi_ref, else this
+        module's own no-grad pass (the first batches of a fit, batches scored before a ``RefModelSwap`` took effect
+        there, batches restored from a checkpoint). The choice is the same on every rank: sharded ranks must make
+        the pass together."""
+        self._reference_served = False
         if self.reference is None:
             return [None] * len(micro_batches)
+        served = batch.reference_logp is not None and batch.reference_version == str(self.reference_version)
+        if rank_and_world()[1] > 1:
+            served = everyone(served)
+        if served:
+            self._reference_served = True
+            return [mb.take(batch.reference_logp) for mb in micro_batches]
         return [completion_logprobs(self.reference, mb, self.hparams.temperature)[0] for mb in micro_batches]
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
@@ -258,7 +280,7 @@ class GRPOModule(L.LightningModule):
         keep = shape_batch(batch, rank_and_world()[0]) if shape_batch is not None else None
         weights = self.loss_weights(batch, keep)
         micro_batches = list(batch.micro_batches())
-        ref_logps = self.reference_logprobs(micro_batches)
+        ref_logps = self.reference_logprobs(batch, micro_batches)
         pik_logps: list[torch.Tensor | None] = [None] * len(micro_batches)
         iteration_stats, grad_norms = [], []
         for iteration in range(hp.iterations_per_batch):
@@ -379,6 +401,7 @@ class GRPOModule(L.LightningModule):
             "train/ratio_first_iteration_min": float(g["it0/ratio_min"]),
             "train/ratio_first_iteration_max": float(g["it0/ratio_max"]),
             "train/staleness": float(staleness),
+            "train/reference_served": float(self._reference_served),
             "train/update_seconds": update_seconds,
             "train/update_tokens_per_second": tokens * n_it / max(update_seconds, 1e-9),
             "train/lr": float(self.lr_schedulers().get_last_lr()[0]),
@@ -410,7 +433,9 @@ class GRPOModule(L.LightningModule):
         each policy forward + backward, 2 N for the reference's and the TV-after-update no-grad passes), and
         ``train/mfu``, achieved FLOP/s per device over the peak, when a peak is known."""
         hp = self.hparams
-        flops = update_flops(self.policy_parameters, tokens, iterations, reference_pass=hp.beta > 0,
+        # pi_ref's pass counts where it ran: not here when the rollout server made it
+        flops = update_flops(self.policy_parameters, tokens, iterations,
+                             reference_pass=hp.beta > 0 and not self._reference_served,
                              extra_no_grad_passes=int(hp.monitor_tv_after_update))
         metrics = {"train/update_flops": flops}
         peak = self.device_peak_flops()
@@ -449,8 +474,10 @@ class GRPOModule(L.LightningModule):
             rng["cuda"] = torch.cuda.get_rng_state_all()
         # every rank's generators, in rank order: only rank 0 writes the checkpoint, each rank resumes its own
         checkpoint["rng_states"] = all_gather_objects(rng)
+        checkpoint["reference_version"] = self.reference_version
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.reference_version = int(checkpoint.get("reference_version", 0))
         rng = checkpoint.get("rng_states")
         if not rng:
             return

@@ -29,7 +29,7 @@ KEYS = ("train/loss", "train/kl", "rollout/reward_mean", "rollout/reward_std", "
         "rollout/generated_tokens", "train/staleness", "train/ratio_first_iteration_min",
         "train/ratio_first_iteration_max", "train/ratio_mean", "train/clip_low_fraction", "train/entropy",
         "train/grad_norm", "train/update_flops", "rollout/staleness_mean", "rollout/staleness_max",
-        "rollout/mixed_versions", "rollout/producer_waits")
+        "rollout/mixed_versions", "rollout/producer_waits", "train/reference_served")
 #: gradient reductions this process made in the current job (DDP comm-hook calls, FSDP2 reduce-scatters)
 REDUCTIONS = {"count": 0}
 
@@ -91,11 +91,12 @@ class RecordRows:
         self.drawn = getattr(self, "drawn", []) + [list(prompt_batch.rows)]
         return super().take_async(prompt_batch)
 
-    def assemble(self, prompt_batch, groups, generate_seconds, sampled_step):  # noqa: ANN001, ANN201
+    def assemble(self, prompt_batch, groups, generate_seconds, sampled_step, reference=None,  # noqa: ANN001, ANN201
+                 reference_seconds=0.0):
         """Also remember the weight versions a rollout server reported for the batch's completions."""
         versions = sorted({int(v) for g in groups for c in g for v in c.versions})
         self.versions = getattr(self, "versions", []) + [versions]
-        return super().assemble(prompt_batch, groups, generate_seconds, sampled_step)
+        return super().assemble(prompt_batch, groups, generate_seconds, sampled_step, reference, reference_seconds)
 
 
 class PushedVersions(Callback):

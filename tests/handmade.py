@@ -59,7 +59,7 @@ def loss_and_grads(module, batch: RolloutBatch, weights: torch.Tensor) -> tuple[
     """Loss and policy gradients of the first iteration of a training step (alpha = pi_k: the engine in sync)."""
     module.policy.zero_grad(set_to_none=True)
     micro_batches = list(batch.micro_batches())
-    ref_logps = module.reference_logprobs(micro_batches)
+    ref_logps = module.reference_logprobs(batch, micro_batches)
     total = 0.0
     for j, mb in enumerate(micro_batches):
         logp, _ = completion_logprobs(module.policy, mb, module.hparams.temperature)

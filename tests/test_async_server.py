@@ -22,9 +22,10 @@ def options(server: ServerProcess) -> dict:
     return dict(url=server.url, token=server.token, timeout_s=60, bucket_mb=0.05)
 
 
-def job(server: ServerProcess | None, k: int, max_steps: int, v: int = 1, **extra) -> dict:
+def job(server: ServerProcess | None, k: int, max_steps: int, v: int = 1, served: bool = False, **extra) -> dict:
+    """``served``: pi_ref's log-probs come from the server (data.reference_on_server)."""
     spec = dict(v=v, max_steps=max_steps, module=dict(SETTINGS["module"]),
-                data=dict(SETTINGS["data"], max_staleness=k), **extra)
+                data=dict(SETTINGS["data"], max_staleness=k, reference_on_server=served), **extra)
     if server is not None:
         spec["server"] = options(server)
     return spec
@@ -48,18 +49,27 @@ def runs(tmp_path_factory):
             # the Theorem-1 monitor decides the pushes: any drift (TV > 0) syncs after every batch
             "k1_tv": job(first, 1, 5, v=10, max_tv=0.0),
             "frozen": dict(job(first, 1, 4), module=dict(beta=0.1, lr=1e-30)),
+            # pi_ref scored by the server, with and without asynchronous rollouts, across a stage swap
+            "k0_served": job(first, 0, 4, served=True),
+            "swap_local": job(first, 1, 6, swap_every=3),
+            "swap_served": job(first, 1, 6, served=True, swap_every=3),
+            "served_first_half": job(first, 1, 3, served=True, swap_every=3, ckpt_out=str(root / "served.ckpt")),
         }
         names = list(jobs)
         results = launch(list(jobs.values()), world=1, workdir=root / "one", timeout_s=600)[0]
         out = dict(zip(names, results, strict=True))
         first.kill()
         second.wait_ready()
-        out["resumed"] = launch([job(second, 1, 6, ckpt_in=ckpt)], world=1, workdir=root / "resumed",
-                                timeout_s=300)[0][0]
+        out["resumed"], out["served_resumed"] = launch(
+            [job(second, 1, 6, ckpt_in=ckpt),
+             job(second, 1, 6, served=True, swap_every=3, ckpt_in=str(root / "served.ckpt"))],
+            world=1, workdir=root / "resumed", timeout_s=300)[0]
         # the checkpoint gathers both ranks' batches generated ahead (a collective in the data module's state)
         out["fsdp2"] = launch([job(second, 1, 3, strategy="fsdp2", ckpt_out=str(root / "fsdp2.ckpt"))], world=2,
                               workdir=root / "fsdp2", timeout_s=300)
         out["fsdp2_ckpt"] = root / "fsdp2.ckpt"
+        out["fsdp2_served"] = launch([job(second, 1, 3, served=True, strategy="fsdp2")], world=2,
+                                     workdir=root / "fsdp2_served", timeout_s=300)
         yield out, second
     finally:
         first.kill()
@@ -131,6 +141,47 @@ def test_two_fsdp2_ranks_train_asynchronously_in_lockstep(runs):
     assert [s["rollout/staleness_max"] for s in ranks[0][0]["steps"]] == [0.0, 1.0, 1.0]
     assert ranks[0][0]["drawn"] != ranks[1][0]["drawn"]  # each rank generated its own prompts
     assert runs[0]["fsdp2_ckpt"].exists()
+
+
+def test_pi_ref_scored_by_the_server_gives_the_trainers_numbers(runs):
+    out, _ = runs
+    # K = 0: the server scores every batch with the pi_ref pushed at the start
+    assert [s["train/reference_served"] for s in out["k0_served"]["steps"]] == [1.0] * 4
+    assert [s["train/reference_served"] for s in out["k0"]["steps"]] == [0.0] * 4
+    for expected, got in zip(out["k0"]["steps"], out["k0_served"]["steps"], strict=True):
+        for key in ("train/loss", "train/kl", "train/grad_norm", "rollout/reward_mean"):
+            assert got[key] == pytest.approx(expected[key], abs=1e-6), key
+    # 2 N FLOPs per token fewer on the trainer: policy 6 N + the Theorem-1 after-update pass 2 N, of that + pi_ref 2 N
+    ratio = out["k0_served"]["steps"][0]["train/update_flops"] / out["k0"]["steps"][0]["train/update_flops"]
+    assert ratio == pytest.approx(8 / 10)
+
+
+def test_pi_ref_on_the_server_across_a_stage_swap_with_asynchronous_rollouts(runs):
+    out, _ = runs
+    local, served = out["swap_local"]["steps"], out["swap_served"]["steps"]
+    assert any(s["train/kl"] > 0 for s in served[3:])
+    for expected, got in zip(local, served, strict=True):
+        for key in ("train/loss", "train/kl", "train/grad_norm", "rollout/reward_mean", "rollout/staleness_max"):
+            assert got[key] == pytest.approx(expected[key], abs=1e-6), key
+    # pi_ref changes after step 2 (RefModelSwap runs after WeightSync): batches 3 and 4 were scored with the old
+    # pi_ref (batch 4 was requested before the push of the new one), so the trainer scored them itself
+    assert [s["train/reference_served"] for s in served] == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    # exact resume: the batch carried by the checkpoint (3) is scored by the trainer; the resumed run pushes the
+    # current pi_ref to the restarted server when it starts, so batch 4 is scored there with it
+    resumed = out["served_first_half"]["steps"] + out["served_resumed"]["steps"]
+    for expected, got in zip(served, resumed, strict=True):
+        for key in expected.keys() - {"rollout/producer_waits", "train/reference_served", "train/update_flops"}:
+            assert got[key] == pytest.approx(expected[key], abs=1e-6), key
+    assert [s["train/reference_served"] for s in resumed] == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+
+
+def test_two_fsdp2_ranks_with_pi_ref_on_the_server(runs):
+    local, served = runs[0]["fsdp2"], runs[0]["fsdp2_served"]
+    assert served[0][0]["steps"] == served[1][0]["steps"]
+    assert [s["train/reference_served"] for s in served[0][0]["steps"]] == [1.0] * 3
+    for expected, got in zip(local[0][0]["steps"], served[0][0]["steps"], strict=True):
+        for key in ("train/loss", "train/kl", "train/grad_norm"):
+            assert got[key] == pytest.approx(expected[key], abs=1e-6), key
 
 
 def test_server_killed_with_requests_in_flight_stops_both_ranks_with_its_url(runs, tmp_path):

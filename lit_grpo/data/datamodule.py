@@ -3,7 +3,9 @@
 The loader yields only prompt indices; completions are generated in ``on_after_batch_transfer``, which Lightning
 calls right before ``training_step``. Lightning fetches one batch ahead of the step it trains on, so
 generating inside the dataset's ``__iter__`` would sample batch k+1 before the weight sync that follows step k;
-generating here guarantees that each batch comes from the engine weights of the step just finished.
+generating here guarantees that each batch comes from the engine weights of the step just finished. With
+``max_staleness`` >= 1 the batches come from a background producer instead (``AsyncRollouts``,
+``lit_grpo.data.async_rollouts``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import lightning as L
@@ -21,18 +22,17 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_grpo.batch import RolloutBatch
+from lit_grpo.data.async_rollouts import AsyncRollouts
 from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
 from lit_grpo.data.rewards import RewardRunner
-from lit_grpo.data.rollout import collate_rollouts, rollout_stats
+from lit_grpo.data.rollout import collate_rollouts, rollout_seed, rollout_stats
 from lit_grpo.data.staleness import (
+    check_reference_on_server,
     check_staleness_setup,
-    groups_from_state,
-    groups_to_state,
-    staleness_stats,
     weight_version_of,
 )
-from lit_grpo.distributed import all_gather_objects, rank_slice
+from lit_grpo.distributed import rank_slice
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
 from lit_grpo.models import eos_token_ids
 
@@ -47,12 +47,6 @@ class PromptBatch:
     rows: list[int]
     batch_index: int
     rank: int = 0
-
-
-def rollout_seed(seed: int, batch_index: int, rank: int) -> int:
-    """Sampling seed of one rank's rollouts for one batch: distinct per batch and per rank (rank 0 keeps the
-    one-process seed)."""
-    return seed * 1_000_003 + batch_index + rank * 1_000_000_007
 
 
 class PromptStream(IterableDataset):
@@ -77,7 +71,7 @@ class PromptStream(IterableDataset):
             yield owner.prompt_batch(index)
 
 
-class RolloutDataModule(L.LightningDataModule):
+class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
     """Prompts from GSM8K, G completions each from the rollout engine, rewards and group advantages.
 
     Args:
@@ -107,6 +101,14 @@ class RolloutDataModule(L.LightningDataModule):
             (``rollout/producer_waits``). Weight pushes wait for the batches already requested, so no completion
             mixes two versions and a run is reproducible; checkpoints keep the batches generated but not yet
             trained on, so a resumed run continues exactly.
+        reference_on_server: the project's rollout server (``engine: server``, kind ``lit_grpo``) also computes
+            pi_ref's log-probs of each batch right after sampling it (``lit_grpo.serving.reference_routes``); the
+            trainer then skips its reference pass, a quarter of the update's FLOPs. With ``max_staleness >= 1``
+            that pass runs on the server while the trainer updates on the batch before. ``WeightSync`` pushes pi_ref
+            to the server at the start and after each ``RefModelSwap``; a batch scored with an older pi_ref (or none)
+            is scored by the trainer as before (``train/reference_served`` is 0 for it). The numbers are the
+            trainer's own scoring function in the server's dtype: equal to the trainer's in float32 up to the
+            matmuls' summation order.
     """
 
     def __init__(
@@ -130,10 +132,12 @@ class RolloutDataModule(L.LightningDataModule):
         max_prompts: int | None = None,
         reuse_policy_logprobs: bool = True,
         max_staleness: int = 0,
+        reference_on_server: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__()
         check_staleness_setup(max_staleness, engine)
+        check_reference_on_server(reference_on_server, engine, engine_options)
         if num_generations < 2:
             raise ValueError(f"num_generations (G) must be >= 2 to form a group advantage, got {num_generations}")
         if prompts_per_step < 1:
@@ -180,6 +184,8 @@ class RolloutDataModule(L.LightningDataModule):
         self._prompt_cache: dict[int, list[int]] = {}
         self._epoch_orders: dict[int, list[int]] = {}
         self.max_staleness = max_staleness
+        self.reference_on_server = reference_on_server
+        self.scores_reference = False  # set in setup: the server scores pi_ref and the module has a KL term
         self.producer = None  # RolloutProducer, made at the first asynchronous batch
         #: generated batches restored from a checkpoint, not yet trained on: batch index -> (groups, seconds)
         self.restored: dict[int, tuple[list[list[Completion]], float]] = {}
@@ -230,6 +236,11 @@ class RolloutDataModule(L.LightningDataModule):
         self.tokenizer = module.tokenizer
         check_staleness_setup(self.max_staleness, self.engine_kind, self.trainer.callbacks)
         self.rollout_engine = self.build_engine(module)
+        self.scores_reference = self.reference_on_server and bool(getattr(module, "uses_reference", False))
+        if self.scores_reference:
+            self.rollout_engine.serves_reference = True  # WeightSync pushes pi_ref to it
+            # pi_ref's log-probs at the loss's temperature (the CLI links it to data.temperature)
+            self.reference_temperature = float(module.hparams.get("temperature", self.sampling.temperature))
 
     def build_engine(self, module: L.LightningModule) -> RolloutEngine:
         eos = eos_token_ids(self.tokenizer, module.policy)
@@ -269,13 +280,6 @@ class RolloutDataModule(L.LightningDataModule):
     def on_exception(self, exception: BaseException) -> None:
         self.stop_producer()  # no waiting: a request running now ends on its daemon thread, within its timeout
 
-    def stop_producer(self) -> None:
-        if self.producer is not None:
-            self.producer.close()
-            if self.rollout_engine is not None and self.producer.drain in self.rollout_engine.before_push:
-                self.rollout_engine.before_push.remove(self.producer.drain)
-            self.producer = None
-
     def state_dict(self) -> dict[str, Any]:
         state = {"consumed": self.consumed, "seed": self.seed, "reward_errors": self.reward_errors,
                  "reward_timeouts": self.reward_timeouts}
@@ -298,86 +302,6 @@ class RolloutDataModule(L.LightningDataModule):
             warnings.warn("the checkpoint holds rollout batches generated ahead (max_staleness >= 1); this run is "
                           "synchronous (max_staleness: 0) and regenerates them, so it is not an exact continuation",
                           stacklevel=2)
-
-    # ---- asynchronous rollouts (max_staleness >= 1) -------------------------------------------------
-    def in_flight_state(self) -> dict[str, Any]:
-        """Every rank's batches generated ahead and not yet trained on, as plain lists (a checkpoint needs them
-        for an exact resume: their weights are gone from the server). Waits for the requests running now; the
-        gather is a collective, and ``state_dict`` runs on every rank when a checkpoint is saved."""
-        mine: dict[int, Any] = {}
-        if self.producer is not None:
-            self.producer.drain()
-            for index, (generated, error) in self.producer.finished().items():
-                if error is None and generated[0].error is None:
-                    mine[index] = {"groups": groups_to_state(generated[0].groups), "seconds": generated[1]}
-        for index, (groups, seconds) in self.restored.items():
-            mine[index] = {"groups": groups_to_state(groups), "seconds": seconds}
-        rank, world = self.rank_and_world()
-        everyone = all_gather_objects(mine) if world > 1 else [mine]
-        return {"world_size": world, "max_staleness": self.max_staleness, "ranks": everyone}
-
-    def restore_in_flight(self, state: dict[str, Any]) -> None:
-        rank, world = self.rank_and_world()
-        if int(state["world_size"]) != world:
-            warnings.warn(f"the checkpoint's batches generated ahead come from {state['world_size']} ranks and this "
-                          f"run has {world}: they are regenerated, so the run is not an exact continuation",
-                          stacklevel=2)
-            return
-        self.restored = {int(index): (groups_from_state(item["groups"]), float(item["seconds"]))
-                         for index, item in state["ranks"][rank].items()}
-
-    def ensure_producer(self) -> Any:
-        if self.producer is None:
-            from lit_grpo.serving.producer import RolloutProducer
-
-            self.producer = RolloutProducer()
-            # every weight push first waits for the batches already requested (on every rank, then a barrier in
-            # the push): no batch handed over under the old weights is sampled with the new ones
-            self.rollout_engine.before_push.append(self.producer.drain)
-        return self.producer
-
-    def request(self, prompts: list[list[int]], seed: int) -> tuple[Any, float]:
-        """The producer's job: one rank's completions for one batch (``Rollouts``), HTTP only (no collective)."""
-        start = time.perf_counter()
-        rollouts = self.rollout_engine.request_rollouts(prompts, self.num_generations, self.sampling, seed=seed)
-        return rollouts, time.perf_counter() - start
-
-    def hand_over(self, index: int) -> None:
-        """Request batches ``index .. index + K`` not yet requested: batch b + K goes to the producer when the
-        trainer takes batch b. Also at the end of training: a run resumed from its last checkpoint with more steps
-        then trains on the very batches the longer run would have (the cost: K batches generated in vain)."""
-        producer = self.ensure_producer()
-        for j in range(index, index + self.max_staleness + 1):
-            if j in self.restored or producer.known(j):
-                continue
-            if j > index and producer.idle():
-                self.producer_waits += 1  # it had generated all it may; the staleness bound held it back
-            batch = self.prompt_batch(j)
-            prompts = [self.prompt_ids(r) for r in batch.rows]
-            seed = rollout_seed(self.seed, j, batch.rank)
-            producer.submit(j, partial(self.request, prompts, seed))
-
-    def take_async(self, prompt_batch: PromptBatch) -> RolloutBatch:
-        """Batch ``prompt_batch`` as the producer generated it (asked for K batches earlier), after handing the
-        next one over; a failed request stops every rank together (one collective, on this thread)."""
-        index = prompt_batch.batch_index
-        step = self.trainer.global_step
-        producer = self.ensure_producer()
-        waited = producer.waited_s
-        self.hand_over(index)
-        from lit_grpo.serving.client import Rollouts
-
-        if index in self.restored:
-            groups, seconds = self.restored.pop(index)
-            rollouts = Rollouts(groups)
-        else:
-            result, error = producer.take(index)
-            rollouts, seconds = result if error is None else (Rollouts(None, f"{type(error).__name__}: {error}"), 0.0)
-        groups = self.rollout_engine.check_lockstep(rollouts)  # every rank raises when any rank's request failed
-        batch = self.assemble(prompt_batch, groups, seconds, sampled_step=None)
-        batch.stats.update(staleness_stats(groups, step), trainer_wait_seconds=producer.waited_s - waited,
-                           producer_waits=float(self.producer_waits))
-        return batch
 
     # ---- rollouts -----------------------------------------------------------------------------------
     def precision_context(self) -> AbstractContextManager:
@@ -417,15 +341,24 @@ class RolloutDataModule(L.LightningDataModule):
         prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
         start = time.perf_counter()
         seed = rollout_seed(self.seed, prompt_batch.batch_index, prompt_batch.rank)
+        if self.scores_reference:  # the server's request, pi_ref's scoring, then the ranks' agreement
+            rollouts = engine.request_rollouts(prompts, self.num_generations, self.sampling, seed=seed)
+            generate_seconds = time.perf_counter() - start
+            rollouts = self.with_reference(prompts, rollouts)
+            groups = engine.check_lockstep(rollouts)
+            return self.assemble(prompt_batch, groups, generate_seconds, sampled_step=engine.synced_step,
+                                 reference=rollouts.reference, reference_seconds=rollouts.reference_seconds)
         with self.precision_context():
             groups = engine.generate(prompts, self.num_generations, self.sampling, seed=seed)
         return self.assemble(prompt_batch, groups, time.perf_counter() - start, sampled_step=engine.synced_step)
 
     def assemble(self, prompt_batch: PromptBatch, groups: list[list[Completion]], generate_seconds: float,
-                 sampled_step: int | None) -> RolloutBatch:
+                 sampled_step: int | None, reference: tuple[torch.Tensor, str] | None = None,
+                 reference_seconds: float = 0.0) -> RolloutBatch:
         """Rewards, eq. 2 advantages, padding and alpha for the completions of one batch. ``sampled_step``: the
-        weight version that sampled them (``None``: read from the completions, which carry it)."""
-        start = time.perf_counter() - generate_seconds
+        weight version that sampled them (``None``: read from the completions, which carry it); ``reference``:
+        pi_ref's log-probs from the server, the version of pi_ref they come from, and the server's time for them."""
+        start = time.perf_counter() - generate_seconds - reference_seconds
         device = self.trainer.lightning_module.device if self.trainer is not None else torch.device("cpu")
         prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
         if sampled_step is None:
@@ -441,12 +374,15 @@ class RolloutDataModule(L.LightningDataModule):
         )
         with self.precision_context():
             batch.alpha_logp = self.alpha_logprobs(batch, sampled_step)
+        if reference is not None:
+            batch.reference_logp, batch.reference_version = reference[0].to(device), reference[1]
         batch.batch_index = prompt_batch.batch_index
         batch.rollout_step = sampled_step
         batch.stats = rollout_stats(batch)
         batch.stats.update(
             rollout_seconds=time.perf_counter() - start,
             generate_seconds=generate_seconds,
+            **({"reference_seconds": reference_seconds} if self.scores_reference else {}),
             reward_errors=float(self.reward_errors),
             reward_timeouts=float(self.reward_timeouts),
         )

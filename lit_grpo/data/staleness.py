@@ -1,5 +1,6 @@
-"""Bookkeeping of asynchronous off-policy GRPO (``data.max_staleness`` = K): which setups allow it, the weight
-version each completion was sampled with, how stale a batch is, and generated batches as checkpoint data."""
+"""Bookkeeping of asynchronous off-policy GRPO (``data.max_staleness`` = K): which setups allow it (and
+``data.reference_on_server``), the weight version each completion was sampled with, how stale a batch is, and
+generated batches as checkpoint data."""
 
 from __future__ import annotations
 
@@ -25,6 +26,19 @@ def check_staleness_setup(max_staleness: int, engine: str, callbacks: Iterable[A
             raise ValueError(
                 f"max_staleness={max_staleness} and WeightSync(delay_batches={callback.delay_batches}) both make "
                 "rollouts lag; asynchronous rollouts already sample ahead of the trainer: use one of the two")
+
+
+def check_reference_on_server(reference_on_server: bool, engine: str, engine_options: dict[str, Any] | None) -> None:
+    """``reference_on_server`` needs the project's rollout server (vLLM serves one model: the rollout policy)."""
+    if not isinstance(reference_on_server, bool):
+        raise ValueError(f"reference_on_server must be true or false, got {reference_on_server!r}")
+    if not reference_on_server:
+        return
+    kind = (engine_options or {}).get("kind", "lit_grpo")
+    if engine != "server" or kind != "lit_grpo":
+        where = f"engine {engine!r}" if engine != "server" else f"a server of kind {kind!r}"
+        raise ValueError(f"reference_on_server: true needs data.engine: server with the project's rollout server "
+                         f"(python -m lit_grpo serve), which can hold a copy of pi_ref; got {where}")
 
 
 def weight_version_of(completion: Completion) -> int:

@@ -7,7 +7,9 @@ Two kinds of server speak the same protocol (``lit_grpo.serving.protocol`` docum
 - ``kind: vllm``: ``vllm serve`` 0.33 in dev mode; what differs lives in ``lit_grpo.serving.vllm_client``,
   imported only for that kind.
 
-The weight push is ``WeightPusher.load_weights`` (``lit_grpo.serving.weight_push``).
+The weight push is ``WeightPusher.load_weights`` (``lit_grpo.serving.weight_push``); with
+``data.reference_on_server`` pi_ref is pushed too (``load_reference``) and the server scores it
+(``ReferenceScorer``, ``lit_grpo.serving.reference_client``).
 
 Generation is two steps, so that a background thread can run the first:
 
@@ -36,6 +38,7 @@ from torch import nn
 from lit_grpo.distributed import GatherBuffer, everyone, rank_and_world
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
 from lit_grpo.serving.protocol import TOKEN_ENV, HTTPClient, ServerError, version_text
+from lit_grpo.serving.reference_client import ReferenceScorer
 from lit_grpo.serving.weight_push import WeightPusher
 
 KINDS = ("lit_grpo", "vllm")
@@ -51,6 +54,10 @@ class Rollouts:
 
     groups: list[list[Completion]] | None
     error: str | None = None
+    #: pi_ref's log-probs of the completions ``[S, C]`` in ``pad_rollouts``' layout and pi_ref's version, when the
+    #: server scored them too (``data.reference_on_server``)
+    reference: tuple[torch.Tensor, str] | None = None
+    reference_seconds: float = 0.0  # how long the server took to score them
 
 
 class ServerConnection:
@@ -79,7 +86,7 @@ class ServerConnection:
         self.group = self.store = self.listener = None
 
 
-class ServerEngine(WeightPusher, RolloutEngine):
+class ServerEngine(WeightPusher, ReferenceScorer, RolloutEngine):
     """Rollouts from rollout servers (``data.engine: server``, ``data.engine_options: {url: ..., ...}``).
 
     Args:
@@ -164,6 +171,9 @@ class ServerEngine(WeightPusher, RolloutEngine):
         self.packed = bool(packed)
         self.servers = [ServerConnection(u, token, self.timeout_s) for u in urls]
         self.synced_step = 0
+        self.reference_version: str | None = None  # the label of the pi_ref pushed to the servers
+        #: set by the data module (``data.reference_on_server``): WeightSync pushes pi_ref before the policy
+        self.serves_reference = False
         #: called on every rank before each push (the asynchronous producer's ``drain``), see ``load_weights``
         self.before_push: list[Callable[[], None]] = []
         #: rank 0's timing of the last push to the project's servers: begin (pause, start), gather (the

@@ -66,6 +66,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/update_weight_version"): "update_weight_version",
     ("GET", "/weight_info"): "weight_info",
     ("POST", "/weight_checker"): "weight_checker",
+    ("POST", "/reference/logprobs"): "reference_logprobs",  # the project's server only (reference_routes)
 }
 #: the routes that need no token
 OPEN_ROUTES = {("GET", "/health")}

@@ -3,8 +3,9 @@
 One process holds the rollout policy alpha (the transformers engine, on CPU or one GPU) behind HTTP and speaks
 the protocol of ``lit_grpo.serving.protocol`` (a subset of ``vllm serve`` 0.33's), so the trainer's
 ``ServerEngine`` drives either server. ``RolloutServer`` is the state; its routes come from
-``GenerationRoutes`` (``serving.generation``: completions, pause) and ``WeightReceiver``
-(``serving.weight_receive``: the weight push, all or nothing).
+``GenerationRoutes`` (``serving.generation``: completions, pause), ``WeightReceiver``
+(``serving.weight_receive``: the weight push, all or nothing) and ``ReferenceRoutes`` (``serving.reference_routes``:
+pi_ref's log-probs, for ``data.reference_on_server``).
 
 Security: binds 127.0.0.1 unless ``--host`` says otherwise; every route but ``/health`` needs
 ``Authorization: Bearer <token>`` (compared with ``hmac.compare_digest``); there is no default token: it is read
@@ -42,14 +43,16 @@ from lit_grpo.serving.protocol import (
     Limits,
     error_payload,
 )
+from lit_grpo.serving.reference_routes import ReferenceRoutes
 from lit_grpo.serving.weight_receive import WeightReceiver
 
 DEFAULT_LIMITS = Limits()
 
 
-class RolloutServer(GenerationRoutes, WeightReceiver):
-    """The server's state: the model, its ``weight_version``, the weight-transfer group, a push in progress and
-    the pause flag. Thread-safe: HTTP requests are served on threads of their own."""
+class RolloutServer(GenerationRoutes, WeightReceiver, ReferenceRoutes):
+    """The server's state: the model, its ``weight_version``, the weight-transfer group, a push in progress, the
+    pause flag and, once the trainer pushes one, a copy of pi_ref. Thread-safe: HTTP requests are served on
+    threads of their own."""
 
     def __init__(self, model: Any, tokenizer: Any, model_name: str, token: str, limits: Limits = DEFAULT_LIMITS,
                  reuse_buffers: bool = True) -> None:
@@ -90,6 +93,11 @@ class RolloutServer(GenerationRoutes, WeightReceiver):
         self._pool: dict[tuple[str, ...], list[Any]] = {}
         self._live: set[int] = set()  # data pointers of the buffers the parameters point into
         self._push_buffers: list[tuple[tuple[str, ...], Any]] = []
+        self.push_target = "policy"
+        self.reference: Any = None  # pi_ref, made at its first push (data.reference_on_server)
+        self.reference_params: dict[str, Any] = {}
+        self.reference_version: str | None = None
+        self.reference_lock = threading.Lock()
         self.routes: dict[tuple[str, str], Callable[[dict, dict], dict]] = {
             key: getattr(self, name) for key, name in ROUTES.items()}
         self.open_routes = set(OPEN_ROUTES)

@@ -77,6 +77,7 @@ class WeightPusher:
     dtype: torch.dtype
     packed: bool
     synced_step: int
+    reference_version: str | None
     before_push: list[Callable[[], None]]
     last_push: dict[str, float]
     _pack_buffer: torch.Tensor | None
@@ -92,6 +93,28 @@ class WeightPusher:
         passes), the project's server is fed by ``rank0_buckets``: the other ranks send their shards point to
         point to rank 0, one bucket at a time, instead of every rank all-gathering every parameter. Anything
         else (plain, DDP, FSDP1 modules, weights already gathered) is iterated on every rank as given."""
+        try:
+            versions = self._load(named_tensors, str(int(step)), "policy")
+        except ServerError:
+            for server in self.servers:  # its version is no longer known on any rank
+                server.expected_version = None
+            raise
+        for server in self.servers:
+            server.expected_version = versions[server.url]
+        self.synced_step = int(versions[self.servers[0].url])
+
+    @torch.no_grad()
+    def load_reference(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
+        """Push pi_ref's full parameters into every project server's copy of pi_ref (``data.reference_on_server``),
+        labelled ``version``; the same transfer as ``load_weights``, and the rollout policy is untouched."""
+        if self.kind != "lit_grpo":
+            raise ValueError(f"pi_ref can be pushed to the project's server only, not to kind {self.kind!r}")
+        self.reference_version = None
+        self._load(named_tensors, str(version), "reference")
+        self.reference_version = str(version)
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, target: str) -> dict[str, str]:
+        """One push on every rank; the servers' versions after it, or ``ServerError`` on every rank."""
         rank, world = rank_and_world()
         for hook in self.before_push:  # the asynchronous producer's drain: batches already requested finish first
             hook()
@@ -101,9 +124,9 @@ class WeightPusher:
         if self.kind == "vllm":
             from lit_grpo.serving.vllm_client import push_vllm
 
-            outcome = push_vllm(self, iter(named_tensors), int(step), rank)
+            outcome = push_vllm(self, iter(named_tensors), int(version), rank)
         elif rank == 0:
-            outcome = self._push(named_tensors, module, int(step))
+            outcome = self._push(named_tensors, module, version, target)
         else:
             for _ in rank0_buckets(module, self.bucket_bytes) if module is not None else named_tensors:
                 pass  # sends this rank's shards, or runs the gathers of the iterator
@@ -111,13 +134,8 @@ class WeightPusher:
         outcomes = all_gather_objects(outcome) if world > 1 else [outcome]
         errors = [o["error"] for o in outcomes if o["error"]]
         if errors:
-            for server in self.servers:  # its version is no longer known on any rank
-                server.expected_version = None
             raise ServerError(errors[0])
-        versions = outcomes[0]["versions"]
-        for server in self.servers:
-            server.expected_version = versions[server.url]
-        self.synced_step = int(versions[self.servers[0].url])
+        return outcomes[0]["versions"]
 
     def _cast(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         target = self.dtype if tensor.is_floating_point() else tensor.dtype
@@ -134,7 +152,8 @@ class WeightPusher:
         gathered = rank0_buckets(module, self.bucket_bytes, self._gather_buffer)
         return ([(name, convert(tensor)) for name, tensor in bucket] for bucket in gathered)
 
-    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: nn.Module | None, step: int) -> dict:
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: nn.Module | None, version: str,
+              target: str = "policy") -> dict:
         """Rank 0's push to the project's servers: the buckets are consumed to the end whatever happens (the other
         ranks are in the gathers)."""
         from lit_grpo.serving.weight_transfer import transport_device
@@ -145,7 +164,7 @@ class WeightPusher:
         mark = time.perf_counter()
         try:
             for server in self.servers:
-                self._begin(server)
+                self._begin(server, target)
         except Exception as err:  # noqa: BLE001 (reported on every rank after the gathers)
             failed.append(err)
         times["begin_s"] = time.perf_counter() - mark
@@ -172,7 +191,7 @@ class WeightPusher:
         if not failed:
             try:
                 for server in self.servers:
-                    versions[server.url] = self._finish(server, str(step))
+                    versions[server.url] = self._finish(server, version, target)
             except Exception as err:  # noqa: BLE001 (reported on every rank)
                 failed.append(err)
         times["finish_s"] = time.perf_counter() - mark
@@ -180,15 +199,19 @@ class WeightPusher:
         if failed:
             for server in self.servers:
                 self._abandon(server)
-            return {"error": f"weight push of step {step} failed: {failed[0]}"}
+            what = f"weight push of step {version}" if target == "policy" else f"push of pi_ref version {version}"
+            return {"error": f"{what} failed: {failed[0]}"}
         return {"error": None, "versions": versions}
 
-    def _begin(self, server: ServerConnection) -> None:
+    def _begin(self, server: ServerConnection, target: str = "policy") -> None:
         info = server.client.get("/weight_info")
         if server.group is None or not info.get("transfer_group"):
             self._init_group(server)
-        server.client.post("/pause", query={"mode": "wait"})
-        server.client.post("/start_weight_update")
+        if target == "policy":
+            server.client.post("/pause", query={"mode": "wait"})
+            server.client.post("/start_weight_update")
+        else:  # generation goes on: it does not read pi_ref
+            server.client.post("/start_weight_update", {"target": target})
 
     def _init_group(self, server: ServerConnection) -> None:
         from lit_grpo.serving.weight_transfer import local_address_towards, open_group, open_store
@@ -267,12 +290,14 @@ class WeightPusher:
         if "error" in sent or not sent.get("done"):
             raise transfer_error(server.url, len(names), sent.get("error"), self.timeout_s)
 
-    def _finish(self, server: ServerConnection, version: str) -> str:
+    def _finish(self, server: ServerConnection, version: str, target: str = "policy") -> str:
         server.client.post("/finish_weight_update", {"weight_version": version})
-        got = version_text(server.client.get("/weight_info").get("weight_version"))
-        server.client.post("/resume")
+        key = "weight_version" if target == "policy" else "reference_version"
+        got = version_text(server.client.get("/weight_info").get(key))
+        if target == "policy":
+            server.client.post("/resume")
         if got != version:
-            raise ServerError(f"rollout server {server.url} reports weight version {got!r} after a push of {version!r}")
+            raise ServerError(f"rollout server {server.url} reports {key} {got!r} after a push of {version!r}")
         return got
 
     def _abandon(self, server: ServerConnection) -> None:

@@ -1,10 +1,13 @@
 """The rollout server's side of a weight push: the weight-transfer routes (``/init_weight_transfer_engine`` ...
 ``/finish_weight_update``), the receive buffers, ``/weight_info`` and ``/weight_checker``.
 
-A push is all or nothing: buckets are received into staging tensors and the model's parameters are switched to
-them only at ``/finish_weight_update``, once every parameter has arrived, while no generation runs. A push cut
-off anywhere before that (sender killed, bad bucket, timeout) is discarded and the server keeps its previous
-weights and ``weight_version``; the next push starts from ``/init_weight_transfer_engine`` again.
+A push goes to the rollout policy (``target`` ``policy``, the default and vLLM's only one) or to the server's copy
+of pi_ref (``{"target": "reference"}`` in ``/start_weight_update``, ``lit_grpo.serving.reference_routes``), which is
+made at its first push. A push is all or nothing: buckets are received into staging tensors and the model's
+parameters are switched to them only at ``/finish_weight_update``, once every parameter has arrived, while no
+generation runs. A push cut off anywhere before that (sender killed, bad bucket, timeout) is discarded and the
+server keeps its previous weights and ``weight_version``; the next push starts from ``/init_weight_transfer_engine``
+again.
 
 ``WeightReceiver`` is a part of ``RolloutServer`` (``lit_grpo.serving.server``), which holds the state it uses;
 torch is imported only when a push comes.
@@ -17,6 +20,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from lit_grpo.serving.protocol import HTTPFailure, number_field
+
+#: what a push may write: the rollout policy, or the server's copy of pi_ref
+PUSH_TARGETS = ("policy", "reference")
 
 
 class WeightReceiver:
@@ -44,6 +50,15 @@ class WeightReceiver:
     _pool: dict[tuple[str, ...], list[Any]]
     _live: set[int]
     _push_buffers: list[tuple[tuple[str, ...], Any]]
+    push_target: str
+    reference_params: dict[str, Any]
+    reference_version: str | None
+    reference_lock: threading.Lock
+    ensure_reference: Any  # ReferenceRoutes: makes the copy of pi_ref at its first push
+
+    def target_params(self) -> dict[str, Any]:
+        """The parameters the push in progress writes: the rollout policy's or pi_ref's."""
+        return self.reference_params if self.push_target == "reference" else self.params
 
     @contextmanager
     def _transfer(self):  # noqa: ANN202
@@ -110,9 +125,15 @@ class WeightReceiver:
         with self._transfer():
             if self.group is None:
                 raise HTTPFailure(409, "no weight-transfer group: POST /init_weight_transfer_engine first")
+            target = body.get("target", "policy")
+            if target not in PUSH_TARGETS:
+                raise HTTPFailure(400, f"target must be one of {list(PUSH_TARGETS)}, got {target!r}")
+            if target == "reference":
+                self.ensure_reference()
+            self.push_target = target
             self.staging = {}
             self._push_buffers = []
-        return {"message": "Weight update started"}
+        return {"message": "Weight update started", "target": target}
 
     def _announced(self, body: dict) -> tuple[list[str], list, list[list[int]]]:
         from lit_grpo.serving.weight_transfer import DTYPES
@@ -129,7 +150,7 @@ class WeightReceiver:
             raise HTTPFailure(400, "update_info needs names, dtype_names and shapes of the same length")
         dtypes = []
         for name, dtype, shape in zip(names, dtype_names, shapes):
-            param = self.params.get(name) if isinstance(name, str) else None
+            param = self.target_params().get(name) if isinstance(name, str) else None
             if param is None:
                 raise HTTPFailure(400, f"unknown parameter {name!r} (this server's model is {self.model_name})")
             if name in self.staging:
@@ -205,7 +226,8 @@ class WeightReceiver:
     def _receive_buffer(self, key: tuple[str, ...], total: int, device: Any) -> Any:
         import torch
 
-        if not self.reuse_buffers or device.type != "cpu":
+        if not self.reuse_buffers or device.type != "cpu" or self.push_target != "policy":
+            # pi_ref is pushed once per stage: fresh memory, and the policy's pool stays as it is
             return torch.empty(total, dtype=torch.uint8, device=device)
         pool = self._pool.setdefault(key, [])
         free = [b for b in pool if b.numel() == total and b.data_ptr() not in self._live]
@@ -224,14 +246,23 @@ class WeightReceiver:
         with self._transfer():
             if self.staging is None:
                 raise HTTPFailure(409, "no weight update in progress: POST /start_weight_update first")
-            missing = sorted(set(self.params) - set(self.staging))
+            params = self.target_params()
+            missing = sorted(set(params) - set(self.staging))
             if missing:
                 got = len(self.staging)
                 self.staging = None
-                raise HTTPFailure(400, f"the update covered {got} of {len(self.params)} parameters (missing e.g. "
+                raise HTTPFailure(400, f"the update covered {got} of {len(params)} parameters (missing e.g. "
                                        f"{missing[:3]}); it is discarded and the weight version stays "
                                        f"{self.weight_version!r}")
             staged, self.staging = self.staging, None
+            if self.push_target == "reference":  # no generation reads pi_ref: only a scoring request waits
+                with self.reference_lock:
+                    for name, tensor in staged.items():
+                        params[name].data = tensor
+                    if version is not None:
+                        self.reference_version = str(version)
+                return {"message": "Weight update finished", "target": "reference",
+                        "reference_version": self.reference_version}
             with self.cond:
                 self.swapping = True
                 while self.in_flight:
@@ -262,7 +293,7 @@ class WeightReceiver:
         return {"weight_version": self.weight_version, "model": self.model_name, "dtypes": self.dtypes,
                 "device": str(self.device), "num_parameters": len(self.params), "updating": staging is not None,
                 "staged_parameters": len(staging) if staging is not None else 0, "receiving": self.receiving,
-                "paused": self.paused,
+                "paused": self.paused, "reference_version": self.reference_version,
                 "transfer_group": self.group is not None}
 
     def weight_checker(self, body: dict, query: dict) -> dict:

@@ -1,0 +1,59 @@
+"""The trainer's side of pi_ref on the rollout server (``data.reference_on_server``): ask for pi_ref's log-probs
+of a batch's completions (``ReferenceScorer``, a part of ``ServerEngine``). The push of pi_ref itself is
+``WeightPusher.load_reference``; the server's side is ``lit_grpo.serving.reference_routes``.
+
+``score_reference`` does HTTP only (no collective), so the asynchronous producer runs it right after a batch's
+completions come back, while the trainer updates on the batch before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lit_grpo.batch import MicroBatch
+from lit_grpo.serving.protocol import ServerError, version_text
+
+if TYPE_CHECKING:
+    from lit_grpo.serving.client import ServerConnection
+
+
+class ReferenceScorer:
+    """``score_reference`` of ``ServerEngine``; ``reference_version`` is the label of the pi_ref this trainer
+    last pushed (``None``: none yet, or the last push failed)."""
+
+    servers: list[ServerConnection]
+    kind: str
+    generate_timeout_s: float
+    reference_version: str | None
+
+    def score_reference(self, micro_batches: list[MicroBatch], num_sequences: int, width: int,
+                        temperature: float) -> tuple[torch.Tensor, str]:
+        """pi_ref's log-probs of every completion token, ``[num_sequences, width]`` (zero where no micro-batch
+        reaches: padding), computed by the first server on exactly these micro-batches, and the version of pi_ref
+        it used. Raises ``ServerError`` when nothing was pushed or the server answers oddly."""
+        version = self.reference_version
+        if version is None:
+            raise ServerError("no pi_ref was pushed to the rollout server yet (WeightSync pushes it with the policy)")
+        server = self.servers[0]
+        body = {"reference_version": version, "temperature": float(temperature),
+                "micro_batches": [{
+                    "prompt_ids": mb.prompt_ids.tolist(), "prompt_mask": mb.prompt_mask.tolist(),
+                    "prompt_index": mb.prompt_index.tolist(), "completion_ids": mb.completion_ids.tolist(),
+                    "completion_mask": mb.completion_mask.tolist()} for mb in micro_batches]}
+        response = server.client.post("/reference/logprobs", body, timeout_s=self.generate_timeout_s)
+        got = version_text(response.get("reference_version"))
+        pieces = response.get("logprobs")
+        if got != version or not isinstance(pieces, list) or len(pieces) != len(micro_batches):
+            raise ServerError(f"rollout server {server.url} answered a pi_ref scoring request for version {version!r} "
+                              f"with version {got!r} and {len(pieces) if isinstance(pieces, list) else pieces} "
+                              f"micro-batches (expected {len(micro_batches)})")
+        out = torch.zeros(num_sequences, width, dtype=torch.float32)
+        for mb, piece in zip(micro_batches, pieces):
+            values = torch.tensor(piece, dtype=torch.float32)
+            if values.shape != mb.completion_ids.shape:
+                raise ServerError(f"rollout server {server.url} returned pi_ref log-probs of shape "
+                                  f"{list(values.shape)} for a micro-batch of {list(mb.completion_ids.shape)}")
+            out[mb.rows, : values.shape[1]] = values
+        return out, got

@@ -1,0 +1,121 @@
+"""The rollout server's copy of pi_ref and its route ``POST /reference/logprobs`` (``data.reference_on_server``).
+
+With asynchronous rollouts (``data.max_staleness`` >= 1) the server idles once the next batch is generated while
+the trainer still updates; on a job whose update outweighs its generation that idle time is the whole gain left.
+The reference pass (one no-grad forward of pi_ref over every completion, a quarter of the update's FLOPs) is the
+part of the update that needs no gradient and no current policy, so the server can run it right after sampling.
+
+The trainer pushes pi_ref like the policy (``/start_weight_update {"target": "reference"}``), labelled with its
+``reference_version``; a scoring request names the version it expects and gets a 409 from a server holding
+another. The request carries the trainer's own micro-batches (``lit_grpo.batch.micro_batch_views``) and the server
+runs the trainer's scoring function on them (``lit_grpo.scoring.completion_logprobs``), so the numbers are the ones
+the trainer would compute in the server's dtype. The project's server only: vLLM 0.33 has no second model.
+
+``ReferenceRoutes`` is a part of ``RolloutServer``; torch is imported when a request comes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from lit_grpo.serving.protocol import HTTPFailure, Limits, number_field
+
+#: the fields of one micro-batch in a ``/reference/logprobs`` request
+MICRO_BATCH_FIELDS = ("prompt_ids", "prompt_mask", "prompt_index", "completion_ids", "completion_mask")
+
+
+class ReferenceRoutes:
+    """``/reference/logprobs`` of ``RolloutServer``, and the copy of pi_ref a reference push fills."""
+
+    model: Any
+    device: Any
+    vocab_size: int
+    limits: Limits
+    reference: Any
+    reference_params: dict[str, Any]
+    reference_version: str | None
+    reference_lock: threading.Lock
+
+    def ensure_reference(self) -> None:
+        """Make pi_ref's copy at its first push (the rollout policy's weights until the push lands). Called under
+        the transfer lock, so no policy swap runs meanwhile."""
+        if self.reference is None:
+            from lit_grpo.model_copies import frozen_copy
+
+            self.reference = frozen_copy(self.model).eval()
+            self.reference_params = dict(self.reference.named_parameters())
+
+    def reference_logprobs(self, body: dict, query: dict) -> dict:
+        """``{"reference_version": V, "temperature": T, "micro_batches": [...]}`` -> ``{"reference_version": V,
+        "logprobs": [[[...]]]}``: ``log softmax(logits / T)`` of every completion token under pi_ref, one
+        ``[s, C']`` list per micro-batch (padded positions included; the trainer masks them)."""
+        import torch
+
+        from lit_grpo.scoring import completion_logprobs
+
+        expected = body.get("reference_version")
+        if isinstance(expected, bool) or not isinstance(expected, (str, int)):
+            raise HTTPFailure(400, f"reference_version must be a string, got {expected!r}")
+        temperature = number_field(body, "temperature", 1.0)
+        if not temperature > 0:
+            raise HTTPFailure(400, f"temperature must be > 0, got {temperature}")
+        items = body.get("micro_batches")
+        if not isinstance(items, list) or not items:
+            raise HTTPFailure(400, "micro_batches must be a non-empty list")
+        batches = [self._micro_batch(item, i) for i, item in enumerate(items)]
+        with self.reference_lock:
+            if self.reference is None or self.reference_version is None:
+                raise HTTPFailure(409, "this server holds no pi_ref: the trainer pushes it first "
+                                       "(data.reference_on_server, at WeightSync's first push)")
+            if self.reference_version != str(expected):
+                raise HTTPFailure(409, f"this server holds pi_ref version {self.reference_version!r}, not "
+                                       f"{str(expected)!r}")
+            out = []
+            with torch.no_grad():
+                for mb in batches:
+                    logp, _ = completion_logprobs(self.reference, mb, float(temperature))
+                    out.append(logp.float().cpu().tolist())
+            return {"reference_version": self.reference_version, "logprobs": out}
+
+    def _micro_batch(self, item: Any, i: int) -> Any:
+        """One checked micro-batch as a ``MicroBatch`` on the server's device."""
+        import torch
+
+        from lit_grpo.batch import MicroBatch
+
+        where = f"micro_batches[{i}]"
+        if not isinstance(item, dict) or any(k not in item for k in MICRO_BATCH_FIELDS):
+            raise HTTPFailure(400, f"{where} needs the fields {list(MICRO_BATCH_FIELDS)}")
+        tensors = {}
+        for name in MICRO_BATCH_FIELDS:
+            try:
+                tensors[name] = torch.tensor(item[name], dtype=torch.long)
+            except (TypeError, ValueError, OverflowError, RuntimeError):
+                raise HTTPFailure(400, f"{where}.{name} must be a rectangular list of integers") from None
+        prompts, completions = tensors["prompt_ids"], tensors["completion_ids"]
+        index = tensors["prompt_index"]
+        if prompts.dim() != 2 or completions.dim() != 2 or index.dim() != 1 or 0 in prompts.shape:
+            raise HTTPFailure(400, f"{where}: prompt_ids and completion_ids must be non-empty [rows, tokens] lists "
+                                   "and prompt_index a flat list")
+        if tensors["prompt_mask"].shape != prompts.shape or tensors["completion_mask"].shape != completions.shape:
+            raise HTTPFailure(400, f"{where}: each mask must have the shape of its ids")
+        if index.numel() != completions.shape[0] or completions.shape[0] == 0:
+            raise HTTPFailure(400, f"{where}: prompt_index needs one entry per completion row "
+                                   f"({completions.shape[0]}), got {index.numel()}")
+        if int(index.min()) < 0 or int(index.max()) >= prompts.shape[0]:
+            raise HTTPFailure(400, f"{where}: prompt_index must lie in [0, {prompts.shape[0]})")
+        limits = self.limits
+        if (completions.shape[0] > limits.max_prompts * limits.max_n or completions.shape[1] > limits.max_tokens
+                or prompts.shape[1] > limits.max_prompt_tokens):
+            raise HTTPFailure(400, f"{where} of {completions.shape[0]} completions x {completions.shape[1]} tokens "
+                                   f"after {prompts.shape[1]} prompt tokens is larger than this server's limits")
+        for name in ("prompt_ids", "completion_ids"):
+            t = tensors[name]
+            if int(t.min()) < 0 or int(t.max()) >= self.vocab_size:
+                raise HTTPFailure(400, f"{where}.{name} holds a token id outside [0, {self.vocab_size})")
+        for name in ("prompt_mask", "completion_mask"):
+            if not bool(((tensors[name] == 0) | (tensors[name] == 1)).all()):
+                raise HTTPFailure(400, f"{where}.{name} must hold 0 and 1 only")
+        on = {name: t.to(self.device) for name, t in tensors.items()}
+        return MicroBatch(rows=slice(0, completions.shape[0]), **on)
