@@ -47,6 +47,9 @@ class RolloutBatch:
     #: of pi_ref it used (the trainer's ``reference_version`` when it was pushed); None: the trainer computes them
     reference_logp: torch.Tensor | None = None
     reference_version: str | None = None
+    #: the data module asks the rollout server for pi_ref's log-probs (on every rank alike), whether or not this
+    #: batch got them: the ranks then agree on whose numbers to use
+    reference_offloaded: bool = False
     group_size: int = 1
     micro_batch_size: int = 8
     batch_index: int = 0  # position in the prompt stream (for resume)

@@ -260,7 +260,7 @@ class GRPOModule(L.LightningModule):
         if self.reference is None:
             return [None] * len(micro_batches)
         served = batch.reference_logp is not None and batch.reference_version == str(self.reference_version)
-        if rank_and_world()[1] > 1:
+        if batch.reference_offloaded and rank_and_world()[1] > 1:  # no collective when nothing is offloaded
             served = everyone(served)
         if served:
             self._reference_served = True

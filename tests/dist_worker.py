@@ -178,8 +178,9 @@ def run_job(job: dict, workdir: str) -> dict:
     recorder = MetricsRecorder()
     pushed = PushedVersions()
     callbacks = [WeightSync(every_n_batches=job.get("v", 1), max_tv=job.get("max_tv")), pushed]
-    if job.get("swap_every"):
-        callbacks.append(RefModelSwap(every_n_optimizer_steps=job["swap_every"]))
+    if job.get("swap_every"):  # after WeightSync, or before it with swap_first (the new pi_ref is pushed at once)
+        swap = RefModelSwap(every_n_optimizer_steps=job["swap_every"])
+        callbacks.insert(0, swap) if job.get("swap_first") else callbacks.append(swap)
     compare = EngineVsPolicy() if job.get("compare_engine") else None
     callbacks += [c for c in (compare,) if c is not None]
     if job.get("kill_server"):
@@ -204,7 +205,8 @@ def run_job(job: dict, workdir: str) -> dict:
     count = job.get("count_reductions", False)
     callbacks += [CountDDPReductions()] if count else []
     trainer = tiny_trainer(workdir, max_steps=job["max_steps"], callbacks=callbacks, devices=world,
-                           strategy=make_strategy(job.get("strategy", "single"), world))
+                           strategy=make_strategy(job.get("strategy", "single"), world),
+                           precision=job.get("precision", "32-true"))
     REDUCTIONS["count"] = 0
     with counting_reduce_scatters() if count else contextlib.nullcontext():
         trainer.fit(module, datamodule=data, ckpt_path=job.get("ckpt_in"))

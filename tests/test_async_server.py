@@ -54,6 +54,9 @@ def runs(tmp_path_factory):
             "swap_local": job(first, 1, 6, swap_every=3),
             "swap_served": job(first, 1, 6, served=True, swap_every=3),
             "served_first_half": job(first, 1, 3, served=True, swap_every=3, ckpt_out=str(root / "served.ckpt")),
+            # bf16-mixed: the server scores under the trainer's autocast; pi_ref swapped before WeightSync pushes
+            "bf16_local": job(first, 0, 4, swap_every=2, swap_first=True, precision="bf16-mixed"),
+            "bf16_served": job(first, 0, 4, served=True, swap_every=2, swap_first=True, precision="bf16-mixed"),
         }
         names = list(jobs)
         results = launch(list(jobs.values()), world=1, workdir=root / "one", timeout_s=600)[0]
@@ -173,6 +176,18 @@ def test_pi_ref_on_the_server_across_a_stage_swap_with_asynchronous_rollouts(run
         for key in expected.keys() - {"rollout/producer_waits", "train/reference_served", "train/update_flops"}:
             assert got[key] == pytest.approx(expected[key], abs=1e-6), key
     assert [s["train/reference_served"] for s in resumed] == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+
+
+def test_pi_ref_on_the_server_in_bf16_mixed_precision(runs):
+    local, served = runs[0]["bf16_local"]["steps"], runs[0]["bf16_served"]["steps"]
+    # the swap after step 1 reaches the server before batch 2 is sampled: every batch is scored there
+    assert [s["train/reference_served"] for s in served] == [1.0] * 4
+    # pi_ref is the policy itself at step 2 (just swapped, not yet updated): the server's autocast pass equals the
+    # trainer's policy pass, so KL(pi || pi_ref) is exactly 0 in bf16-mixed too
+    assert served[0]["train/kl"] == 0.0 and served[2]["train/kl"] == 0.0 and served[1]["train/kl"] > 0
+    for expected, got in zip(local, served, strict=True):
+        for key in ("train/loss", "train/kl", "train/grad_norm", "rollout/reward_mean"):
+            assert got[key] == pytest.approx(expected[key], abs=1e-6), key
 
 
 def test_two_fsdp2_ranks_with_pi_ref_on_the_server(runs):

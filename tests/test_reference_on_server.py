@@ -127,6 +127,7 @@ def test_scoring_before_any_push_and_bad_requests_are_refused(tmp_path, tiny):
             ({"reference_version": "0", "micro_batches": [{**item, "completion_mask": twos}]},
              "0 and 1 only"),
             ({"reference_version": "0", "temperature": 0, "micro_batches": [item]}, "temperature must be > 0"),
+            ({"reference_version": "0", "autocast": "int8", "micro_batches": [item]}, "autocast must be one of"),
         ]
         for body_, message in bad:
             status, answer = fresh.call("POST", "/reference/logprobs", body_)

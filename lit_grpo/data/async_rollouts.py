@@ -14,7 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from lit_grpo.batch import RolloutBatch
-from lit_grpo.data.rollout import rollout_seed
+from lit_grpo.data.rollout import pad_rollouts, rollout_seed
 from lit_grpo.data.staleness import groups_from_state, groups_to_state, staleness_stats
 from lit_grpo.distributed import all_gather_objects
 from lit_grpo.engines.base import Completion
@@ -32,6 +32,7 @@ class AsyncRollouts:
     max_staleness: int
     scores_reference: bool
     reference_temperature: float
+    reference_autocast: str | None
     rollout_engine: Any
     tokenizer: Any
     producer: Any
@@ -98,14 +99,12 @@ class AsyncRollouts:
         engine = self.rollout_engine
         if not self.scores_reference or rollouts.error is not None or engine.reference_version is None:
             return rollouts
-        from lit_grpo.data.rollout import pad_rollouts
-
         padded = pad_rollouts(prompts, rollouts.groups, self.tokenizer.pad_token_id)
         micro_batches = list(padded.micro_batches(self.micro_batch_size))
         start = time.perf_counter()
         try:
             rollouts.reference = engine.score_reference(micro_batches, *padded.completion_ids.shape,
-                                                        self.reference_temperature)
+                                                        self.reference_temperature, self.reference_autocast)
         except Exception as err:  # noqa: BLE001 (an HTTP failure or an odd answer: stop every rank together)
             rollouts.error = f"pi_ref scoring request failed: {type(err).__name__}: {err}"
         rollouts.reference_seconds = time.perf_counter() - start

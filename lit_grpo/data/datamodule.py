@@ -37,6 +37,8 @@ from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
 from lit_grpo.models import eos_token_ids
 
 ENGINES = ("transformers", "vllm", "server")
+#: the autocast dtype of Lightning's mixed precisions (the forward context of ``training_step``)
+MIXED_AUTOCAST = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
 
 
 @dataclass
@@ -239,8 +241,11 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
         self.scores_reference = self.reference_on_server and bool(getattr(module, "uses_reference", False))
         if self.scores_reference:
             self.rollout_engine.serves_reference = True  # WeightSync pushes pi_ref to it
-            # pi_ref's log-probs at the loss's temperature (the CLI links it to data.temperature)
+            # pi_ref's log-probs at the loss's temperature (the CLI links it to data.temperature), and in the
+            # precision of the module's own pass (autocast under a mixed precision), so that KL(pi || pi_ref) is
+            # still exactly 0 right after a RefModelSwap
             self.reference_temperature = float(module.hparams.get("temperature", self.sampling.temperature))
+            self.reference_autocast = MIXED_AUTOCAST.get(str(self.trainer.precision))
 
     def build_engine(self, module: L.LightningModule) -> RolloutEngine:
         eos = eos_token_ids(self.tokenizer, module.policy)
@@ -374,6 +379,7 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
         )
         with self.precision_context():
             batch.alpha_logp = self.alpha_logprobs(batch, sampled_step)
+        batch.reference_offloaded = self.scores_reference
         if reference is not None:
             batch.reference_logp, batch.reference_version = reference[0].to(device), reference[1]
         batch.batch_index = prompt_batch.batch_index

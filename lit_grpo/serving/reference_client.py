@@ -29,15 +29,16 @@ class ReferenceScorer:
     reference_version: str | None
 
     def score_reference(self, micro_batches: list[MicroBatch], num_sequences: int, width: int,
-                        temperature: float) -> tuple[torch.Tensor, str]:
+                        temperature: float, autocast: str | None = None) -> tuple[torch.Tensor, str]:
         """pi_ref's log-probs of every completion token, ``[num_sequences, width]`` (zero where no micro-batch
-        reaches: padding), computed by the first server on exactly these micro-batches, and the version of pi_ref
-        it used. Raises ``ServerError`` when nothing was pushed or the server answers oddly."""
+        reaches: padding), computed by the first server on exactly these micro-batches (under ``autocast``, the
+        trainer's mixed-precision dtype, when given), and the version of pi_ref it used. Raises ``ServerError``
+        when nothing was pushed or the server answers oddly."""
         version = self.reference_version
         if version is None:
             raise ServerError("no pi_ref was pushed to the rollout server yet (WeightSync pushes it with the policy)")
         server = self.servers[0]
-        body = {"reference_version": version, "temperature": float(temperature),
+        body = {"reference_version": version, "temperature": float(temperature), "autocast": autocast,
                 "micro_batches": [{
                     "prompt_ids": mb.prompt_ids.tolist(), "prompt_mask": mb.prompt_mask.tolist(),
                     "prompt_index": mb.prompt_index.tolist(), "completion_ids": mb.completion_ids.tolist(),

@@ -9,18 +9,22 @@ The trainer pushes pi_ref like the policy (``/start_weight_update {"target": "re
 ``reference_version``; a scoring request names the version it expects and gets a 409 from a server holding
 another. The request carries the trainer's own micro-batches (``lit_grpo.batch.micro_batch_views``) and the server
 runs the trainer's scoring function on them (``lit_grpo.scoring.completion_logprobs``), so the numbers are the ones
-the trainer would compute in the server's dtype. The project's server only: vLLM 0.33 has no second model.
+the trainer would compute: in the server's dtype, under the trainer's autocast when it trains in mixed precision
+(``autocast`` in the request). The project's server only: vLLM 0.33 has no second model.
 
 ``ReferenceRoutes`` is a part of ``RolloutServer``; torch is imported when a request comes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
 from lit_grpo.serving.protocol import HTTPFailure, Limits, number_field
 
+#: ``autocast`` of a ``/reference/logprobs`` request: the trainer's mixed precision (None: none)
+AUTOCAST_DTYPES = (None, "bfloat16", "float16")
 #: the fields of one micro-batch in a ``/reference/logprobs`` request
 MICRO_BATCH_FIELDS = ("prompt_ids", "prompt_mask", "prompt_index", "completion_ids", "completion_mask")
 
@@ -47,7 +51,8 @@ class ReferenceRoutes:
             self.reference_params = dict(self.reference.named_parameters())
 
     def reference_logprobs(self, body: dict, query: dict) -> dict:
-        """``{"reference_version": V, "temperature": T, "micro_batches": [...]}`` -> ``{"reference_version": V,
+        """``{"reference_version": V, "temperature": T, "autocast": null | "bfloat16" | "float16",
+        "micro_batches": [...]}`` -> ``{"reference_version": V,
         "logprobs": [[[...]]]}``: ``log softmax(logits / T)`` of every completion token under pi_ref, one
         ``[s, C']`` list per micro-batch (padded positions included; the trainer masks them)."""
         import torch
@@ -60,6 +65,9 @@ class ReferenceRoutes:
         temperature = number_field(body, "temperature", 1.0)
         if not temperature > 0:
             raise HTTPFailure(400, f"temperature must be > 0, got {temperature}")
+        autocast = body.get("autocast")
+        if autocast not in AUTOCAST_DTYPES:
+            raise HTTPFailure(400, f"autocast must be one of {list(AUTOCAST_DTYPES)}, got {autocast!r}")
         items = body.get("micro_batches")
         if not isinstance(items, list) or not items:
             raise HTTPFailure(400, "micro_batches must be a non-empty list")
@@ -72,7 +80,10 @@ class ReferenceRoutes:
                 raise HTTPFailure(409, f"this server holds pi_ref version {self.reference_version!r}, not "
                                        f"{str(expected)!r}")
             out = []
-            with torch.no_grad():
+            # the trainer's forward precision: under bf16-mixed its own pi_ref pass runs in autocast, and so does this
+            precision = (torch.autocast(self.device.type, dtype=getattr(torch, autocast)) if autocast is not None
+                         else contextlib.nullcontext())
+            with torch.no_grad(), precision:
                 for mb in batches:
                     logp, _ = completion_logprobs(self.reference, mb, float(temperature))
                     out.append(logp.float().cpu().tolist())
