@@ -4,7 +4,7 @@ rollouts, the FSDP ranks train), the policy's weights pushed to them every v bat
 Two kinds of server speak the same protocol (``lit_grpo.serving.protocol`` documents it):
 
 - ``kind: lit_grpo``: the project's own ``python -m lit_grpo serve`` (``lit_grpo.serving.server``).
-- ``kind: vllm``: ``vllm serve`` 0.33 in dev mode; what differs lives in ``lit_grpo.serving.vllm_client``,
+- ``kind: vllm``: ``vllm serve`` (0.32 or 0.33) in dev mode; what differs lives in ``lit_grpo.serving.vllm_client``,
   imported only for that kind.
 
 The weight push is ``WeightPusher.load_weights`` (``lit_grpo.serving.weight_push``); with
@@ -96,9 +96,11 @@ class ServerEngine(WeightPusher, ReferenceScorer, RolloutEngine):
         timeout_s: limit of every control call and of each bucket's transfer; keep it below the trainer's
             process-group timeout, since the other ranks wait in a gather while rank 0 sends a bucket.
         generate_timeout_s: limit of one completion request (and of waiting for a paused server).
-        kind: ``lit_grpo`` (``python -m lit_grpo serve``) or ``vllm`` (``vllm serve`` 0.33 in dev mode).
+        kind: ``lit_grpo`` (``python -m lit_grpo serve``) or ``vllm`` (``vllm serve`` 0.32 or 0.33 in dev mode).
         bucket_mb: size of the buckets rank 0 gathers, then sends (lit_grpo kind).
-        backend: ``gloo`` (CPU) or ``nccl`` (GPU) for the weight transfer to the project's server.
+        backend: ``gloo`` (CPU) or ``nccl`` (GPU) for the weight transfer. Default: ``gloo`` for the project's
+            server, ``nccl`` for vLLM (a CPU ``vllm serve`` takes ``gloo`` when started with
+            ``--weight-transfer-config '{"backend": "gloo"}'``, see ``lit_grpo.serving.vllm_gloo``).
         transfer_address: this machine's address the server connects to (default: the one that routes to it).
         dtype: the weights' dtype on the wire, which must be the server's (default: the one the project's server
             reports; ``bfloat16`` for vLLM).
@@ -125,7 +127,7 @@ class ServerEngine(WeightPusher, ReferenceScorer, RolloutEngine):
         generate_timeout_s: float = 900.0,
         kind: str = "lit_grpo",
         bucket_mb: float = 64.0,
-        backend: str = "gloo",
+        backend: str | None = None,
         transfer_address: str | None = None,
         dtype: str | None = None,
         rescore: bool | None = None,
@@ -147,6 +149,8 @@ class ServerEngine(WeightPusher, ReferenceScorer, RolloutEngine):
                             ("bucket_mb", bucket_mb)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if backend is None:
+            backend = "nccl" if kind == "vllm" else "gloo"
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         if dtype is not None and dtype not in DTYPES:

@@ -1,11 +1,13 @@
 """What ``ServerEngine`` does differently for ``kind: vllm``: a ``VLLM_SERVER_DEV_MODE=1 vllm serve M
---weight-transfer-config '{"backend":"nccl"}' --logprobs-mode processed_logprobs`` (0.33).
+--weight-transfer-config '{"backend":"nccl"}' --logprobs-mode processed_logprobs`` (vLLM 0.32 or 0.33; with
+``"backend":"gloo"`` on a CPU, through this package's plugin ``lit_grpo.serving.vllm_gloo``).
 
 - Requests: vLLM gives the prompts of one request the same seeds, so each prompt is a request of its own, seeded
   like ``VLLMEngine`` (``vllm_requests``).
 - Weights travel in bfloat16 unless ``dtype`` says otherwise (``vllm_dtype``).
 - The push is vLLM's own trainer side (``WeightTransferTrainerFactory.trainer_init(NCCLTrainerInitInfo(...),
-  client=HTTPVLLMWeightSyncClient(url), source=...)``, ``send_weights()``) on every rank (``push_vllm``).
+  client=HTTPVLLMWeightSyncClient(url), source=...)``, ``send_weights()``) on every rank (``push_vllm``); the
+  option ``backend: gloo`` swaps in ``GlooTrainerInitInfo`` and nothing else changes.
 
 This module is imported only for that kind, and vLLM itself only inside the functions that need it (it is an
 optional extra).
@@ -53,10 +55,8 @@ def vllm_parts(engine: ServerEngine, server: ServerConnection, rank: int) -> tup
         return server.vllm
     try:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
     except ImportError as err:
         raise ImportError("kind 'vllm' needs vLLM's trainer side: pip install 'lit_grpo[vllm]'") from err
-    from lit_grpo.engines.vllm_engine import free_port
     from lit_grpo.serving.weight_transfer import local_address_towards
 
     policy = engine.policy()
@@ -67,10 +67,25 @@ def vllm_parts(engine: ServerEngine, server: ServerConnection, rank: int) -> tup
     source = policy_source(policy, engine.dtype)
     world = 1 + int(server.client.get("/get_world_size")["world_size"])
     address = engine.transfer_address or local_address_towards(server.host)
-    info = NCCLTrainerInitInfo(address, free_port() if rank == 0 else 0, world, rank=rank)
+    info = trainer_init_info(engine.backend, address, world, rank, engine.bucket_bytes, engine.timeout_s)
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     server.vllm = (client, source, trainer)
     return server.vllm
+
+
+def trainer_init_info(backend: str, address: str, world: int, rank: int, bucket_bytes: int, timeout_s: float) -> Any:
+    """vLLM's trainer-side init info for the push ``backend``: its own ``nccl`` (GPUs), or this package's ``gloo``
+    (``lit_grpo.serving.vllm_gloo``; the server must run with ``--weight-transfer-config '{"backend": "gloo"}'``).
+    Either way the rest of the push is the same ``trainer_init`` / ``send_weights``."""
+    from lit_grpo.engines.vllm_engine import free_port
+
+    if backend == "gloo":
+        from lit_grpo.serving.vllm_gloo import trainer_init_info as gloo_init_info
+
+        return gloo_init_info(address, world, rank, bucket_bytes, timeout_s)
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    return NCCLTrainerInitInfo(address, free_port() if rank == 0 else 0, world, rank=rank)
 
 
 def push_vllm(engine: ServerEngine, iterator: Iterator[tuple[str, torch.Tensor]], step: int, rank: int) -> dict:
@@ -126,24 +141,27 @@ def versioned_vllm_client(url: str, timeout_s: float) -> Any:
 
 def policy_source(policy: nn.Module, dtype: torch.dtype) -> Any:
     """A vLLM ``WeightSource`` over the policy: metadata from the parameters' full shapes (no gather), under
-    their model names, in the wire dtype; ``iter_full`` replays the push's iterator (set as ``current``)."""
+    their model names, in the wire dtype; each round replays the push's iterator (set as ``current``).
+
+    vLLM 0.33 reads ``metadata`` as a cached property and the tensors from ``iter_full()``; 0.32 calls
+    ``metadata()`` and iterates the source. The class is built for the installed version."""
     from functools import cached_property
 
     from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
     from lit_grpo.distributed import strip_wrapper_prefixes
 
-    class PolicySource(WeightSource):
-        current: Iterator[tuple[str, torch.Tensor]] | None = None
+    def metadata(self: Any) -> list:
+        return [ParamMeta(strip_wrapper_prefixes(name), dtype if p.is_floating_point() else p.dtype,
+                          tuple(p.shape)) for name, p in policy.named_parameters()]
 
-        @cached_property
-        def metadata(self) -> list:
-            return [ParamMeta(strip_wrapper_prefixes(name), dtype if p.is_floating_point() else p.dtype,
-                              tuple(p.shape)) for name, p in policy.named_parameters()]
+    def tensors(self: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        current, self.current = self.current, None
+        for name, tensor in current or ():
+            yield name, tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
 
-        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-            tensors, self.current = self.current, None
-            for name, tensor in tensors or ():
-                yield name, tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
-
-    return PolicySource()
+    if hasattr(WeightSource, "iter_full"):  # 0.33
+        members = {"metadata": cached_property(metadata), "iter_full": tensors}
+    else:  # 0.32
+        members = {"metadata": metadata, "__iter__": tensors}
+    return type("PolicySource", (WeightSource,), {"current": None, **members})()
