@@ -136,3 +136,43 @@ def test_async_rollouts_refuse_a_delayed_weight_sync():
     with pytest.raises(ValueError, match="delay_batches=2"):
         check_staleness_setup(1, "server", [Delayed()])
     check_staleness_setup(0, "transformers", [Delayed()])  # synchronous: any engine, any sync
+
+
+def data_module(k: int, restored: dict | None = None):
+    """A data module with K = ``k`` holding ``restored`` batches generated ahead (as an earlier fit's teardown
+    or an earlier state leaves them). Its engine is never built: only its checkpoint state is used."""
+    from lit_grpo.data.datamodule import RolloutDataModule
+
+    module = RolloutDataModule(max_prompts=4, prompts_per_step=1)
+    module.max_staleness = k  # set past the constructor, which would ask for a server: the state does not use one
+    module.restored = dict(restored or {})
+    return module
+
+
+EARLIER = {5: ([[completion(["4"])]], 1.5)}  # left by an earlier fit's teardown or an earlier state
+SAVED = {7: ([[completion(["6"]), completion(["6", "7"])]], 2.5)}  # generated ahead in the checkpoint's run
+
+
+def test_a_state_without_batches_generated_ahead_leaves_none_restored():
+    # a checkpoint of a synchronous run (K = 0) holds none
+    loaded = data_module(1, EARLIER)
+    loaded.load_state_dict(data_module(0).state_dict())
+    assert loaded.restored == {}
+    # a synchronous run loading an asynchronous checkpoint regenerates its batches
+    loaded = data_module(0, EARLIER)
+    with pytest.warns(UserWarning, match="this run is synchronous"):
+        loaded.load_state_dict(data_module(1, SAVED).state_dict())
+    assert loaded.restored == {}
+
+
+def test_a_state_from_another_world_size_leaves_none_restored():
+    state = data_module(1, SAVED).state_dict()
+    loaded = data_module(1, EARLIER)
+    loaded.load_state_dict(state)
+    assert loaded.restored == SAVED  # the same world size: the checkpoint's batches, and only those
+    in_flight = state["in_flight"]
+    other_world = dict(state, in_flight=dict(in_flight, world_size=2, ranks=in_flight["ranks"] * 2))
+    loaded = data_module(1, EARLIER)
+    with pytest.warns(UserWarning, match="come from 2 ranks and this run has 1"):
+        loaded.load_state_dict(other_world)
+    assert loaded.restored == {}  # regenerated, and the earlier ones with them

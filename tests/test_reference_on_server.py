@@ -6,24 +6,34 @@ and settings get a clear error before anything runs."""
 from __future__ import annotations
 
 import copy
+import json
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 from server_process import ServerProcess
 
+from lit_grpo.data.async_rollouts import AsyncRollouts
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.data.rollout import pad_rollouts
 from lit_grpo.engines.base import Completion
 from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
 from lit_grpo.scoring import completion_logprobs
-from lit_grpo.serving.client import ServerEngine
+from lit_grpo.serving.client import Rollouts, ServerEngine
+from lit_grpo.serving.producer import RolloutProducer
 from lit_grpo.serving.protocol import ServerError
+from lit_grpo.serving.reference_routes import MICRO_BATCH_FIELDS
 from lit_grpo.serving.weight_transfer import checksum
+
+#: the module's server takes bodies up to this size (16 MiB by default): a batch whose scoring request as one body
+#: would be larger must still be scored, one micro-batch per request
+BODY_LIMIT = 20_000
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(tmp_path_factory.mktemp("reference"))
+    proc = ServerProcess(tmp_path_factory.mktemp("reference"), args=("--max-body-bytes", str(BODY_LIMIT)))
     try:
         proc.wait_ready()
         yield proc
@@ -50,30 +60,41 @@ def engine_for(server: ServerProcess, tiny) -> ServerEngine:
                         stop_token_ids=eos_token_ids(tokenizer, model))
 
 
-def rollout_layout(micro_batch_size: int = 3):
-    """Two prompts of different lengths x 3 completions of different lengths, as the data module pads them."""
+def rollout_groups(num_prompts: int = 2, n: int = 3, spread: int = 5, stride: int = 1):
+    """Prompts of different lengths x ``n`` completions of different lengths (2 .. ``spread`` + 1 tokens)."""
     generator = torch.Generator().manual_seed(0)
-    prompts = [[5, 9, 11, 2], [7, 3]]
+    prompts = [[5, 9, 11, 2], [7, 3]] + [[4 + p, 8, 3 + p % 7] for p in range(num_prompts - 2)]
     groups = []
-    for g in range(2):
+    for g in range(num_prompts):
         group = []
-        for j in range(3):
-            n = 2 + (3 * g + 2 * j) % 5
-            ids = torch.randint(3, 100, (n,), generator=generator).tolist()
-            group.append(Completion(ids, [-1.0] * n, truncated=False, versions=("0",)))
+        for j in range(n):
+            length = 2 + stride * (3 * g + 2 * j) % spread
+            ids = torch.randint(3, 100, (length,), generator=generator).tolist()
+            group.append(Completion(ids, [-1.0] * length, truncated=False, versions=("0",)))
         groups.append(group)
-    padded = pad_rollouts(prompts, groups, pad_token_id=0)
+    return prompts, groups
+
+
+def rollout_layout(micro_batch_size: int = 3, **shape):
+    """``rollout_groups`` as the data module pads them, and its micro-batches."""
+    padded = pad_rollouts(*rollout_groups(**shape), pad_token_id=0)
     return padded, list(padded.micro_batches(micro_batch_size))
+
+
+def scaled_copy(model, factor: float = 1.1):
+    """A pi_ref unlike the served policy, so that scoring with the wrong model would show."""
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(factor)
+    return reference
 
 
 def test_the_server_scores_the_pushed_reference_exactly_as_the_trainer_would(server, tiny, one_thread):
     model, _ = tiny
     engine = engine_for(server, tiny)
     policy_before = {name: checksum(p) for name, p in model.named_parameters()}
-    reference = copy.deepcopy(model)
-    with torch.no_grad():  # a pi_ref unlike the served policy, so using the wrong model would show
-        for p in reference.parameters():
-            p.mul_(1.1)
+    reference = scaled_copy(model)
     engine.load_reference(reference.named_parameters(), "3")
     assert engine.reference_version == "3"
     info = engine.servers[0].client.get("/weight_info")
@@ -99,6 +120,100 @@ def test_the_server_scores_the_pushed_reference_exactly_as_the_trainer_would(ser
     engine.reference_version = "4"
     with pytest.raises(ServerError, match="pi_ref version '3', not '4'"):
         engine.score_reference(micro_batches, *padded.completion_ids.shape, temperature=0.7)
+    engine.close()
+
+
+def test_a_batch_larger_than_the_body_limit_is_scored_one_micro_batch_per_request(server, tiny, one_thread):
+    """Every token of a batch travels to the server: as one body, 64 prompts x G = 16 x 2,048 tokens are about
+    21 MiB, over the server's 16 MiB limit (a 413 on the first batch). Here the server's limit is BODY_LIMIT and
+    the batch's one body would be larger; each request carries one micro-batch and stays within it."""
+    model, _ = tiny
+    engine = engine_for(server, tiny)
+    reference = scaled_copy(model, 0.9)
+    engine.load_reference(reference.named_parameters(), "7")
+    padded, micro_batches = rollout_layout(micro_batch_size=4, num_prompts=8, n=4, spread=150, stride=13)
+    whole = {"reference_version": "7", "temperature": 0.7, "autocast": None,
+             "micro_batches": [{name: getattr(mb, name).tolist() for name in MICRO_BATCH_FIELDS}
+                               for mb in micro_batches]}
+    assert len(json.dumps(whole).encode()) > BODY_LIMIT  # the batch as one body would get a 413
+    client = engine.servers[0].client
+    post, sizes = client.post, []
+
+    def measured_post(path, body=None, **kwargs):  # noqa: ANN001, ANN202
+        if path == "/reference/logprobs":
+            sizes.append(len(json.dumps(body).encode()))
+        return post(path, body, **kwargs)
+
+    client.post = measured_post
+    got, version = engine.score_reference(micro_batches, *padded.completion_ids.shape, temperature=0.7)
+    assert version == "7" and len(sizes) == len(micro_batches)
+    for mb, size in zip(micro_batches, sizes):
+        alone = len(json.dumps({name: getattr(mb, name).tolist() for name in MICRO_BATCH_FIELDS}).encode())
+        assert size <= alone + 200 and size <= BODY_LIMIT  # a micro-batch and the request's few other fields
+    with torch.no_grad():
+        for mb in micro_batches:
+            expected, _ = completion_logprobs(reference, mb, 0.7)
+            assert torch.equal(mb.take(got), expected)
+    engine.close()
+
+
+def test_a_pi_ref_push_waits_for_a_scoring_job_past_its_version_check(server, tiny):
+    """The asynchronous producer's job checks that a pi_ref was pushed (``with_reference``), then reads its
+    label (``score_reference``). A push of the next pi_ref that begins between the two must neither clear the
+    label under the job nor change the server's copy: it drains the producer first. The interleaving is forced:
+    the job is held after its check until the push has begun."""
+    model, tokenizer = tiny
+    engine = engine_for(server, tiny)
+    engine.load_reference(model.named_parameters(), "10")
+    prompts, groups = rollout_groups()
+    checked, resume = threading.Event(), threading.Event()
+    score = engine.score_reference
+
+    def held_score(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        checked.set()  # past the check of engine.reference_version
+        assert resume.wait(60)
+        return score(*args, **kwargs)
+
+    engine.score_reference = held_score
+    data = SimpleNamespace(scores_reference=True, rollout_engine=engine, tokenizer=tokenizer, micro_batch_size=3,
+                           reference_temperature=1.0, reference_autocast=None)
+    producer = RolloutProducer()
+    try:
+        producer.submit(0, lambda: AsyncRollouts.with_reference(data, prompts, Rollouts(groups)))
+        assert checked.wait(60)
+        # the push's first act lets the held job go on; then it drains the producer, as the data module's hook does
+        engine.before_push.extend([resume.set, producer.drain])
+        engine.load_reference(scaled_copy(model).named_parameters(), "11")
+        rollouts, error = producer.take(0)
+    finally:
+        resume.set()
+        producer.close()
+    assert error is None and rollouts.error is None, rollouts.error
+    assert rollouts.reference[1] == "10"  # scored with the pi_ref the job was handed, before the swap
+    padded = pad_rollouts(prompts, groups, pad_token_id=0)
+    with torch.no_grad():
+        for mb in padded.micro_batches(3):
+            expected, _ = completion_logprobs(model, mb, 1.0)
+            assert torch.allclose(mb.take(rollouts.reference[0]), expected, atol=1e-5, rtol=0)
+    assert engine.reference_version == "11"
+    assert engine.servers[0].client.get("/weight_info")["reference_version"] == "11"
+    engine.close()
+
+
+def test_a_failed_pi_ref_push_clears_the_label(server, tiny, monkeypatch):
+    """After a failed push no one knows which pi_ref each server holds: the label is cleared, and scoring
+    refuses to run rather than use a pi_ref that may be the wrong one."""
+    model, _ = tiny
+    engine = engine_for(server, tiny)
+    engine.load_reference(model.named_parameters(), "20")
+
+    def fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise ServerError("the push failed")
+
+    monkeypatch.setattr(engine, "_load", fail)
+    with pytest.raises(ServerError, match="the push failed"):
+        engine.load_reference(model.named_parameters(), "21")
+    assert engine.reference_version is None
     engine.close()
 
 

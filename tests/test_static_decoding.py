@@ -2,6 +2,8 @@
 the same code without compilation): what it reports equals teacher-forced scoring, it agrees token for token with
 the dynamic path where sampling is deterministic, and a seed reproduces it."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -80,6 +82,76 @@ def test_model_generation_defaults_do_not_change_the_distribution(tiny):
         assert len({tuple(c.token_ids) for g in groups for c in g}) > 1  # top_k 1 would make them all equal
     finally:
         model.generation_config.top_k, model.generation_config.repetition_penalty = saved
+
+
+class Unreadable:
+    """A field value no part of ``generate`` accepts: reading it fails or changes what comes out."""
+
+    def __repr__(self) -> str:
+        return "Unreadable()"
+
+
+#: values of a model's generation config that change what ``generate`` samples if they reach it (token ids lie in
+#: the tiny model's vocabulary of 100); every other field gets an ``Unreadable``
+SAMPLING_CHANGES = dict(
+    max_length=3, max_new_tokens=2, min_length=30, min_new_tokens=11, do_sample=False, temperature=0.05, top_k=1,
+    top_p=0.05, min_p=0.9, top_h=0.2, typical_p=0.2, epsilon_cutoff=0.3, eta_cutoff=0.3, repetition_penalty=5.0,
+    no_repeat_ngram_size=1, bad_words_ids=[[28], [44]], renormalize_logits=True, forced_bos_token_id=40,
+    forced_eos_token_id=78, exponential_decay_length_penalty=(1, 2.0), suppress_tokens=[19, 47],
+    begin_suppress_tokens=[46], sequence_bias={(28,): 20.0}, eos_token_id=[28], pad_token_id=44, bos_token_id=40,
+    num_beams=2, num_return_sequences=2, max_time=1e-9, use_cache=False, cache_implementation="dynamic",
+)
+
+
+def polluted_generation_config():
+    """A generation config with EVERY field ``GenerationConfig`` has (read from the class, so a field added by a
+    later transformers is covered too) set to a value other than its default."""
+    from transformers import GenerationConfig
+
+    default = GenerationConfig().to_dict()
+    config = GenerationConfig()
+    for name in default:
+        if name != "transformers_version":
+            setattr(config, name, SAMPLING_CHANGES.get(name, Unreadable()))
+    assert all(getattr(config, name) != value for name, value in default.items() if name != "transformers_version")
+    return config
+
+
+def completions(groups):
+    return [[(c.token_ids, c.logprobs, c.truncated) for c in g] for g in groups]
+
+
+@pytest.mark.parametrize("decode", ["static", "dynamic"])
+def test_no_field_of_the_models_generation_config_reaches_the_sampler(tiny, decode):
+    """transformers fills every field the sampling config leaves ``None`` from the model's generation config; the
+    log-probs are the plain ``softmax(logits / T)``, so nothing of it may reach the sampler. The dynamic path never
+    calls ``generate``; it is checked the same way."""
+    _, _, prompts = tiny
+    sampling = SamplingConfig(max_new_tokens=10, temperature=1.0)
+    plain = engine(tiny, decode)
+    baseline = plain.generate(prompts, 3, sampling, seed=7)
+    polluted = engine(tiny, decode)
+    own = polluted_generation_config()
+    polluted.model.generation_config = own
+    got = polluted.generate(prompts, 3, sampling, seed=7)
+    assert completions(got) == completions(baseline)
+    assert polluted.model.generation_config is own  # put back after the call
+
+
+def test_suppressed_tokens_of_the_model_are_still_sampled(tiny):
+    """The reproduction of the review: the model's ``generation_config.suppress_tokens`` is not part of the
+    distribution the tokens are drawn from (alpha is the full softmax), so the five tokens drawn most often
+    without it are drawn exactly as often with it."""
+    _, _, prompts = tiny
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0)
+    baseline = engine(tiny, "static").generate(prompts, 4, sampling, seed=3)
+    counts = Counter(t for g in baseline for c in g for t in c.token_ids)
+    frequent = [t for t, _ in counts.most_common(5)]
+    assert sum(counts[t] for t in frequent) >= 15
+    suppressing = engine(tiny, "static")
+    suppressing.model.generation_config.suppress_tokens = frequent
+    got = suppressing.generate(prompts, 4, sampling, seed=3)
+    assert completions(got) == completions(baseline)
 
 
 def test_auto_takes_the_dynamic_path_on_cpu_and_bad_options_are_refused(tiny):

@@ -65,6 +65,8 @@ class AsyncRollouts:
         return {"world_size": world, "max_staleness": self.max_staleness, "ranks": everyone}
 
     def restore_in_flight(self, state: dict[str, Any]) -> None:
+        """Replace the batches generated ahead by the checkpoint's (none when it came from another world size)."""
+        self.restored = {}
         rank, world = self.rank_and_world()
         if int(state["world_size"]) != world:
             warnings.warn(f"the checkpoint's batches generated ahead come from {state['world_size']} ranks and this "

@@ -300,6 +300,10 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
         if int(state_dict["seed"]) != self.seed:
             raise ValueError(f"checkpoint was written with data seed {state_dict['seed']}, this run uses {self.seed}")
         self.producer_waits = int(state_dict.get("producer_waits", 0))
+        # the batches generated ahead are the checkpoint's or none: ones kept from an earlier fit or state were
+        # sampled by weights this state's run never trained with (a K = 0 checkpoint stores none, and one from
+        # another world size is regenerated)
+        self.restored = {}
         in_flight = state_dict.get("in_flight")
         if in_flight and self.max_staleness:
             self.restore_in_flight(in_flight)

@@ -7,12 +7,12 @@ CUDA graph (``mode="reduce-overhead"``), which transformers does itself when the
 is CUDA; measured on that GPU: 64 x 200 tokens in 1.05 s instead of 4.1 s.
 
 What stays the same as the dynamic path: the distribution (``softmax(logits / T)``, nucleus ``top_p``, nothing
-else: no top-k, no repetition penalty, whatever the model's own generation config says), the end-of-sequence
-ids, and reproducibility for a seed. What differs: transformers' sampler draws from the global generator (seeded
-here per call inside ``fork_rng``), not the dynamic path's explicit generator, so the same seed gives another
-draw from the same distribution; and the prompt is prefilled once per completion rather than once per prompt
-(one forward, small next to the decoding). The reported log-probs come from one teacher-forced forward over the
-sampled tokens, exactly the quantity the trainer computes.
+else: no top-k, no repetition penalty, no suppressed tokens, whatever the model's own generation config says, see
+``sole_generation_config``), the end-of-sequence ids, and reproducibility for a seed. What differs: transformers'
+sampler draws from the global generator (seeded here per call inside ``fork_rng``), not the dynamic path's explicit
+generator, so the same seed gives another draw from the same distribution; and the prompt is prefilled once per
+completion rather than once per prompt (one forward, small next to the decoding). The reported log-probs come from
+one teacher-forced forward over the sampled tokens, exactly the quantity the trainer computes.
 
 Precision: this path samples in the engine's own dtype (float32) even under ``bf16-mixed``: with autocast on,
 Llama-family models produce float32 keys (RoPE runs in float32) next to bfloat16 values, and transformers' static
@@ -27,8 +27,12 @@ only when its prompts are longer than any before.
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -47,8 +51,9 @@ def padded_width(longest: int, multiple: int) -> int:
 def sampling_config(max_new_tokens: int, temperature: float, top_p: float, eos_token_ids: list[int],
                     pad_token_id: int, compile: bool) -> object:
     """A ``GenerationConfig`` that samples from exactly ``softmax(logits / temperature)`` (nucleus ``top_p``):
-    every other logits processor transformers knows is set to its no-op value, so the model's own generation
-    config (Qwen2.5-Instruct's ships top_k 20 and a repetition penalty) cannot change the distribution."""
+    the logits processors whose global default is not a no-op are set to their no-op value. The model's own
+    generation config (Qwen2.5-Instruct's ships top_k 20 and a repetition penalty) is kept out of the call by
+    ``sole_generation_config``, not by this list: fields left ``None`` here would otherwise be filled from it."""
     from transformers import GenerationConfig
 
     return GenerationConfig(
@@ -58,6 +63,31 @@ def sampling_config(max_new_tokens: int, temperature: float, top_p: float, eos_t
         pad_token_id=int(pad_token_id), cache_implementation="static", disable_compile=not compile,
         num_beams=1, num_return_sequences=1, output_scores=False, return_dict_in_generate=False,
     )
+
+
+#: held while a model's generation config is swapped for one ``generate`` call (``sole_generation_config``): two
+#: overlapping calls on one model would otherwise restore each other's config and leave the sampling one behind
+_SWAP_LOCK = threading.Lock()
+
+
+@contextmanager
+def sole_generation_config(model: nn.Module, config: object) -> Iterator[None]:
+    """For one ``generate`` call, ``model.generation_config`` is a copy of ``config``.
+
+    Why: ``generate`` fills every field that the config it is given leaves ``None`` from ``model.generation_config``
+    (``suppress_tokens``, ``bad_words_ids``, ``min_p``, ``sequence_bias``, ``forced_eos_token_id`` ... and any
+    custom entry), and several fields have no value that means "off" other than ``None``. Any of them changes the
+    distribution the tokens are drawn from, while the log-probs reported for alpha are the plain
+    ``softmax(logits / T)``. With the model's config replaced by the sampling config itself, that merge adds
+    nothing, whatever the model's config holds; what is left are transformers' global defaults, which are no-ops
+    where ``sampling_config`` does not set a field. The model's own config is put back afterwards."""
+    with _SWAP_LOCK:
+        own = model.generation_config
+        model.generation_config = copy.deepcopy(config)
+        try:
+            yield
+        finally:
+            model.generation_config = own
 
 
 def left_pad_to(rows: list[list[int]], width: int, pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -123,7 +153,8 @@ class StaticDecoder:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                 torch.autocast(device.type, enabled=False):
             torch.manual_seed(int(seed) % 2**63)
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            with sole_generation_config(model, config):
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         completion = out[:, width:]
         if completion.shape[1] == 0:
             raise RuntimeError("generate returned no new tokens")

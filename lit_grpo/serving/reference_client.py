@@ -31,30 +31,37 @@ class ReferenceScorer:
     def score_reference(self, micro_batches: list[MicroBatch], num_sequences: int, width: int,
                         temperature: float, autocast: str | None = None) -> tuple[torch.Tensor, str]:
         """pi_ref's log-probs of every completion token, ``[num_sequences, width]`` (zero where no micro-batch
-        reaches: padding), computed by the first server on exactly these micro-batches (under ``autocast``, the
-        trainer's mixed-precision dtype, when given), and the version of pi_ref it used. Raises ``ServerError``
-        when nothing was pushed or the server answers oddly."""
+        reaches: padding), computed by the first server on exactly these micro-batches, one request each (under
+        ``autocast``, the trainer's mixed-precision dtype, when given), and the version of pi_ref it used. Raises
+        ``ServerError`` when nothing was pushed or the server answers oddly."""
         version = self.reference_version
         if version is None:
             raise ServerError("no pi_ref was pushed to the rollout server yet (WeightSync pushes it with the policy)")
         server = self.servers[0]
-        body = {"reference_version": version, "temperature": float(temperature), "autocast": autocast,
-                "micro_batches": [{
-                    "prompt_ids": mb.prompt_ids.tolist(), "prompt_mask": mb.prompt_mask.tolist(),
-                    "prompt_index": mb.prompt_index.tolist(), "completion_ids": mb.completion_ids.tolist(),
-                    "completion_mask": mb.completion_mask.tolist()} for mb in micro_batches]}
-        response = server.client.post("/reference/logprobs", body, timeout_s=self.generate_timeout_s)
-        got = version_text(response.get("reference_version"))
-        pieces = response.get("logprobs")
-        if got != version or not isinstance(pieces, list) or len(pieces) != len(micro_batches):
-            raise ServerError(f"rollout server {server.url} answered a pi_ref scoring request for version {version!r} "
-                              f"with version {got!r} and {len(pieces) if isinstance(pieces, list) else pieces} "
-                              f"micro-batches (expected {len(micro_batches)})")
         out = torch.zeros(num_sequences, width, dtype=torch.float32)
-        for mb, piece in zip(micro_batches, pieces):
-            values = torch.tensor(piece, dtype=torch.float32)
+        # one request per micro-batch: a body the size of the whole batch grows with prompts x G x tokens and
+        # outgrows the server's body limit (--max-body-bytes, 16 MiB) at 64 x 16 x 2,048 tokens; a micro-batch's
+        # is bounded by micro_batch_size, which the trainer already sizes to fit its own forward pass
+        for mb in micro_batches:
+            body = {"reference_version": version, "temperature": float(temperature), "autocast": autocast,
+                    "micro_batches": [micro_batch_body(mb)]}
+            response = server.client.post("/reference/logprobs", body, timeout_s=self.generate_timeout_s)
+            got = version_text(response.get("reference_version"))
+            pieces = response.get("logprobs")
+            if got != version or not isinstance(pieces, list) or len(pieces) != 1:
+                raise ServerError(f"rollout server {server.url} answered a pi_ref scoring request for version "
+                                  f"{version!r} with version {got!r} and "
+                                  f"{len(pieces) if isinstance(pieces, list) else pieces} micro-batches (expected 1)")
+            values = torch.tensor(pieces[0], dtype=torch.float32)
             if values.shape != mb.completion_ids.shape:
                 raise ServerError(f"rollout server {server.url} returned pi_ref log-probs of shape "
                                   f"{list(values.shape)} for a micro-batch of {list(mb.completion_ids.shape)}")
             out[mb.rows, : values.shape[1]] = values
-        return out, got
+        return out, version
+
+
+def micro_batch_body(mb: MicroBatch) -> dict[str, list]:
+    """One micro-batch of a ``/reference/logprobs`` request (``reference_routes.MICRO_BATCH_FIELDS``)."""
+    return {"prompt_ids": mb.prompt_ids.tolist(), "prompt_mask": mb.prompt_mask.tolist(),
+            "prompt_index": mb.prompt_index.tolist(), "completion_ids": mb.completion_ids.tolist(),
+            "completion_mask": mb.completion_mask.tolist()}

@@ -7,8 +7,9 @@ part of the update that needs no gradient and no current policy, so the server c
 
 The trainer pushes pi_ref like the policy (``/start_weight_update {"target": "reference"}``), labelled with its
 ``reference_version``; a scoring request names the version it expects and gets a 409 from a server holding
-another. The request carries the trainer's own micro-batches (``lit_grpo.batch.micro_batch_views``) and the server
-runs the trainer's scoring function on them (``lit_grpo.scoring.completion_logprobs``), so the numbers are the ones
+another. The request carries the trainer's own micro-batches (``lit_grpo.batch.micro_batch_views``; the trainer sends
+one per request, so a body stays within ``--max-body-bytes`` however large the batch) and the server runs the
+trainer's scoring function on them (``lit_grpo.scoring.completion_logprobs``), so the numbers are the ones
 the trainer would compute: in the server's dtype, under the trainer's autocast when it trains in mixed precision
 (``autocast`` in the request). The project's server only: vLLM 0.33 has no second model.
 

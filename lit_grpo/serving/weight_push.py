@@ -106,11 +106,19 @@ class WeightPusher:
     @torch.no_grad()
     def load_reference(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
         """Push pi_ref's full parameters into every project server's copy of pi_ref (``data.reference_on_server``),
-        labelled ``version``; the same transfer as ``load_weights``, and the rollout policy is untouched."""
+        labelled ``version``; the same transfer as ``load_weights``, and the rollout policy is untouched.
+
+        The label changes only once the push is through, and is cleared only when it failed: a scoring job of the
+        asynchronous producer may have passed its check of the label and not yet read it when the push begins,
+        and the push drains the producer first. Until the servers swap (all or nothing, at the end of the push)
+        they hold, and score with, the previous pi_ref, which the label names."""
         if self.kind != "lit_grpo":
             raise ValueError(f"pi_ref can be pushed to the project's server only, not to kind {self.kind!r}")
-        self.reference_version = None
-        self._load(named_tensors, str(version), "reference")
+        try:
+            self._load(named_tensors, str(version), "reference")
+        except ServerError:
+            self.reference_version = None  # which pi_ref each server holds is no longer known
+            raise
         self.reference_version = str(version)
 
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, target: str) -> dict[str, str]:

