@@ -1,4 +1,5 @@
-"""What :mod:`lit_grpo.cli` relies on in Lightning and jsonargparse beyond their documented API, in one place.
+"""What the training CLI (:mod:`lit_grpo.cli`, :mod:`lit_grpo.cli_errors`) relies on in Lightning and
+jsonargparse beyond their documented API, in one place.
 
 The CLI's one-line errors (``error: <what> (<key>, <where>)``) need four things that no public hook gives:
 

@@ -1,13 +1,14 @@
 """``python -m lit_grpo COMMAND ...``: which module runs a command, imported only once that command is chosen.
 
-``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's (:mod:`lit_grpo.cli`, which imports Lightning
-and the training stack). ``export``, ``eval`` and ``serve`` are tools, each a module with ``main(argv)`` that
-builds its argparse parser before it imports torch, so that their ``--help`` and a bad argument answer without
-loading the training stack.
+``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's (:func:`lit_grpo.cli.train`; :mod:`lit_grpo.cli`
+imports Lightning and the training stack). ``export``, ``eval`` and ``serve`` are tools, each a module with
+``main(argv)`` that builds its argparse parser before it imports torch, so that their ``--help`` and a bad argument
+answer without loading the training stack. :func:`main` is the one place that tells them apart: ``lit_grpo.cli``'s
+``main`` and ``run`` are this module's.
 
 A bad value ends the program with one line on stderr, ``error: <what> (<where it came from>)``, and exit status 2;
 ``LIT_GRPO_DEBUG=1`` shows the traceback instead. This module holds that convention, for the tools and for
-:mod:`lit_grpo.cli`, and imports nothing heavy.
+the training CLI (:mod:`lit_grpo.cli_errors`), and imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ DEBUG_ENV = "LIT_GRPO_DEBUG"
 #: subcommands that are not Trainer methods -> the module whose ``main(argv)`` runs them
 TOOLS: dict[str, str] = {"export": "lit_grpo.export", "eval": "lit_grpo.eval_command",
                          "serve": "lit_grpo.serving.server"}
-#: every other subcommand (fit, validate, test, predict) and no subcommand at all: LightningCLI
+#: every other subcommand (fit, validate, test, predict) and no subcommand at all: LightningCLI, through the
+#: ``train(args)`` of this module
 TRAINING = "lit_grpo.cli"
 
 
@@ -70,7 +72,7 @@ def main(args: Sequence[str] | None = None) -> Any:
         run_tool(argv[0], argv[1:])
         return None
     # None, not sys.argv's copy: LightningCLI reads sys.argv itself and warns when it is given both
-    return importlib.import_module(TRAINING).main(None if args is None else argv)
+    return importlib.import_module(TRAINING).train(None if args is None else argv)
 
 
 def run() -> None:

@@ -64,37 +64,34 @@ CASES = {
                         ["Traceback", "ValueError: optimizer.lr must be"]),
 }
 
+
+def flag(key: str, value: str, *texts: str, may_load: bool = False) -> tuple[list[str], bool, list[str]]:
+    """An IN_PROCESS case of one bad ``--key value``: its error line also names the key, on the command line."""
+    return [f"--{key}", value], may_load, [*texts, f"({key}, on the command line)"]
+
+
 # in this process. name: (extra arguments, whether the model may load, strings the error line must hold);
 # every case but "missing_model_name" also gets --model.model_name tiny-random-llama
 IN_PROCESS = {
-    "type_error": (["--model.optimizer.lr", "abc"], False,
-                   ["abc", "float", "(model.optimizer.lr, on the command line)"]),
+    "type_error": flag("model.optimizer.lr", "abc", "abc", "float"),
     "config_file": (["--config", "{root}/bad.yaml"], False,
                     ["'sum'", "token_mean", "(model.loss_aggregation, in {root}/bad.yaml)"]),
     # the loader itself rejects the name: the message quotes the value, not the key
-    "value_named_not_key": (["--model.model_name", "./no/such/dir"], True,
-                            ["unknown model", "./no/such/dir", "(model.model_name, on the command line)"]),
-    "reward_spec": (["--data.rewards", "[toy_rewards:no_such_function]"], False,
-                    ["no_such_function", "(data.rewards, on the command line)"]),
+    "value_named_not_key": flag("model.model_name", "./no/such/dir", "unknown model", "./no/such/dir", may_load=True),
+    "reward_spec": flag("data.rewards", "[toy_rewards:no_such_function]", "no_such_function"),
     "missing_model_name": ([], False, ["required", "model.model_name"]),
     # 16-bit weights stop learning at RL learning rates: refused with the fix named, before the model loads
-    "bf16_true": (["--trainer.precision", "bf16-true"], False,
-                  ["'bf16-true'", "use precision bf16-mixed", "(trainer.precision, on the command line)"]),
-    "bf16_weights": (["--model.dtype", "bfloat16"], False,
-                     ["'bfloat16'", "bf16-mixed", "(model.dtype, on the command line)"]),
-    "truncated_ckpt": (["--ckpt_path", "{root}/truncated.ckpt"], False,
-                       ["{root}/truncated.ckpt", "truncated", "(ckpt_path, on the command line)"]),
-    "not_a_checkpoint": (["--ckpt_path", "{root}/bad.yaml"], False,
-                         ["{root}/bad.yaml", "not a torch.save archive", "(ckpt_path, on the command line)"]),
+    "bf16_true": flag("trainer.precision", "bf16-true", "'bf16-true'", "use precision bf16-mixed"),
+    "bf16_weights": flag("model.dtype", "bfloat16", "'bfloat16'", "bf16-mixed"),
+    "truncated_ckpt": flag("ckpt_path", "{root}/truncated.ckpt", "{root}/truncated.ckpt", "truncated"),
+    "not_a_checkpoint": flag("ckpt_path", "{root}/bad.yaml", "{root}/bad.yaml", "not a torch.save archive"),
     "missing_checkpoint": (["--ckpt_path", "{root}/nothing.ckpt"], False, ["{root}/nothing.ckpt", "does not exist"]),
     "sharded_ckpt_one_process": (["--ckpt_path", "{root}/sharded"], True,
                                  ["{root}/sharded", "sharded directory", "ModelParallelStrategy", "export"]),
-    "other_model_ckpt": (["--ckpt_path", "{root}/other_model.ckpt"], True,
-                         ["{root}/other_model.ckpt", "does not fit", "policy.lm_head.weight", "[3, 3]",
-                          "(ckpt_path, on the command line)"]),
-    "ckpt_hyperparameters": (["--ckpt_path", "{root}/other_hparams.ckpt"], False,
-                             ["hyperparameters in checkpoint {root}/other_hparams.ckpt do not fit",
-                              "no_such_option", "(ckpt_path, on the command line)"]),
+    "other_model_ckpt": flag("ckpt_path", "{root}/other_model.ckpt", "{root}/other_model.ckpt", "does not fit",
+                             "policy.lm_head.weight", "[3, 3]", may_load=True),
+    "ckpt_hyperparameters": flag("ckpt_path", "{root}/other_hparams.ckpt", "no_such_option",
+                                 "hyperparameters in checkpoint {root}/other_hparams.ckpt do not fit"),
     # Lightning would refuse two stateful callbacks of one type without saying what to do
     "second_weight_sync": (["--trainer.callbacks+=lit_grpo.callbacks.WeightSync"], False,
                            ["WeightSync", "the `sync` section already adds", "set its options there",

