@@ -14,7 +14,7 @@ seeds 0 1 2, 100 steps.
   steps), ``v1-i10`` (10 SGD iterations on each rollout batch, so a tenth of the rollouts for the same optimizer
   steps);
 - ``v10-i1-maxtv``: ``WeightSync(every_n_batches=10, max_tv=DELTA)``, sync early when the measured TV between
-  the policy and the rollout weights exceeds DELTA (Theorem 1's term, see the README);
+  the policy and the rollout weights exceeds DELTA (Theorem 1's term, see docs/theorem1-monitor.md);
 - the REC / RED / OPMD / AsymRE losses of ``lit_grpo.math.rec`` at ``v = 10`` (their off-policy setting; the
   second paper syncs every 16 steps of a longer run), next to GRPO's ``v10-i1``.
 
@@ -40,7 +40,7 @@ wall-clock seconds since the first evaluation (evaluation time included, the sam
 raw ``(step, value)`` series of held-out Pass@1, train reward, KL, TV, syncs and swaps, ``wall_clock``: the
 ``(step, seconds)`` of every evaluation, and the run's wall time), the figure, and the runs' TensorBoard folders.
 Runs already finished in ``--out`` are kept, so an interrupted sweep picks up where it stopped. The script ends by
-printing the Markdown table (mean ± std over seeds) the README quotes.
+printing the Markdown table (mean ± std over seeds) docs/miniature.md quotes.
 
     python experiments/fig2_miniature.py                              # the REC suite: all rows, seeds 0 1 2
     python experiments/fig2_miniature.py --suite paper                # Fig. 2's settings: 7 rows x 5 seeds
