@@ -24,21 +24,24 @@ Every policy loss, built-in or yours, is a function called once per micro-batch 
 It returns ``(loss, stats)``: ``loss`` a 0-d tensor to minimise (its gradient is the update), ``stats`` a dict of
 detached 0-d tensors holding at least :data:`STAT_KEYS` (sums and extrema over the tokens of ``mask``, which
 merge over micro-batches and ranks); :func:`lit_grpo.math.objective.token_stats` builds them. Extra keys are
-merged the same way (``*_min`` / ``*_max`` as extrema, others as sums) and logged per iteration.
+merged by the same rule, by name (:func:`lit_grpo.stat_reduction.reduction`: ``*_min`` / ``*_max`` as extrema,
+others as sums) and logged per iteration.
 
-``config`` of a built-in loss is :class:`~lit_grpo.math.objective.GRPOLossConfig` (``grpo``) or
-:class:`~lit_grpo.math.rec.RECLossConfig`, built from the loss's section of :class:`LossOptions` and ``model.beta``.
-For your own loss it is an instance of the dataclass its ``config`` parameter is annotated with, built from
-``model.loss_options.custom`` (its ``beta`` field, if it has one, from ``model.beta``); with no dataclass
-annotation it is a :class:`CustomLossConfig`.
+``config`` of a built-in loss is its options dataclass (the class its ``config`` parameter is annotated with,
+a :class:`~lit_grpo.math.objective.LossConfig`): the loss's section of :class:`LossOptions`, with ``beta`` set
+from ``model.beta``. Your own loss follows the same rule: its ``config`` is an instance of the dataclass its
+``config`` parameter is annotated with, built from ``model.loss_options.custom`` (its ``beta`` field, if it has
+one, from ``model.beta``); with no dataclass annotation it is a :class:`CustomLossConfig`.
 
 A loss that shapes the batch itself (RED-Drop's balanced subset) declares it in its registry entry as a
-``shape_batch`` hook: called once per rollout batch, before the weights, it may rewrite ``batch.advantages`` and
-returns a ``[S]`` keep mask (or None); the module folds the mask into the loss weights.
+``shape_batch`` hook: called once per rollout batch, before the weights, with the batch and the rank, it returns a
+shaped copy of the batch (new advantages) and a ``[S]`` keep mask (or None); the batch it is given is not changed.
+The module trains on the copy and folds the mask into the loss weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -48,12 +51,13 @@ import torch
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.import_paths import resolve_callable
-from lit_grpo.math.objective import GRPOLossConfig
-from lit_grpo.math.rec import POLICY_LOSSES, RECLossConfig, red_drop_advantages
+from lit_grpo.math import rec
+from lit_grpo.math.objective import GRPOOptions, LossConfig, LossFn, grpo_loss
+from lit_grpo.math.rec import ClipOptions, REDWeightOptions, RingOptions, TauOptions
 from lit_grpo.option_groups import as_group
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-BatchHook = Callable[[RolloutBatch, int], "torch.Tensor | None"]
+#: a loss's batch hook: ``(batch, rank) -> (shaped copy of batch, [S] keep mask or None)``
+BatchHook = Callable[[RolloutBatch, int], tuple[RolloutBatch, "torch.Tensor | None"]]
 
 # the keyword arguments every loss is called with (the contract above)
 LOSS_ARGUMENTS = ("logp", "alpha_logp", "advantages", "weights", "mask", "config", "pik_logp", "ref_logp")
@@ -62,105 +66,8 @@ STAT_KEYS = ("tokens", "ratio_sum", "ratio_min", "ratio_max", "clip_low", "clip_
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Options of the built-in losses: one typed group per loss
-
-
-def _built(name: str, build: Callable[[], object]) -> object:
-    """``build()``, with a bad value's ValueError prefixed by the options section it came from."""
-    try:
-        return build()
-    except ValueError as err:
-        raise ValueError(f"loss_options.{name}: {err}") from err
-
-
-@dataclass(frozen=True)
-class GRPOOptions:
-    """Options of ``grpo``, the clipped off-policy objective (eq. 6/7 of Mroueh et al.).
-
-    Args:
-        eps_low: lower clip half-width of eq. 6, the ratio's band is [r' - eps_low, r' + eps_high].
-        eps_high: upper clip half-width (None: eps_low).
-        exact_ref_ratio: use r' = pi_k / alpha in eq. 6 instead of the paper's practical r' = 1.
-        ratio_cap: truncated importance sampling, pi / alpha <= ratio_cap (None: no cap).
-    """
-
-    eps_low: float = 0.2
-    eps_high: float | None = None
-    exact_ref_ratio: bool = False
-    ratio_cap: float | None = None
-
-    def config(self, beta: float) -> GRPOLossConfig:
-        eps_high = self.eps_low if self.eps_high is None else self.eps_high
-        return _built("grpo", lambda: GRPOLossConfig(eps_low=self.eps_low, eps_high=eps_high, beta=beta,
-                                                     exact_ref_ratio=self.exact_ref_ratio, ratio_cap=self.ratio_cap))
-
-
-@dataclass(frozen=True)
-class ClipOptions:
-    """Options of a REC clip-mask loss (``rec_oneside_nois``, ``rec_oneside_is``, ``rec_twoside_is``).
-
-    Args:
-        eps_low: the mask's lower edge is 1 - eps_low, in (0, 1].
-        eps_high: the mask's upper edge is 1 + eps_high (None: eps_low).
-    """
-
-    eps_low: float = 0.2
-    eps_high: float | None = None
-
-    def config(self, beta: float, section: str = "rec") -> RECLossConfig:
-        eps_high = self.eps_low if self.eps_high is None else self.eps_high
-        return _built(section, lambda: RECLossConfig(eps_low=self.eps_low, eps_high=eps_high, beta=beta))
-
-
-@dataclass(frozen=True)
-class RingOptions:
-    """Options of ``rec_ring``: the two-sided band plus the outer ring.
-
-    Args:
-        eps_low: the inner band's lower edge is 1 - eps_low, in (0, 1].
-        eps_high: the inner band's upper edge is 1 + eps_high (None: eps_low).
-        ring_eps_low: the ring's lower edge 1 - ring_eps_low, in (0, 1].
-        ring_eps_high: the ring's upper edge 1 + ring_eps_high.
-    """
-
-    eps_low: float = 0.2
-    eps_high: float | None = None
-    ring_eps_low: float = 0.6
-    ring_eps_high: float = 2.0
-
-    def config(self, beta: float) -> RECLossConfig:
-        eps_high = self.eps_low if self.eps_high is None else self.eps_high
-        return _built("rec_ring", lambda: RECLossConfig(eps_low=self.eps_low, eps_high=eps_high, beta=beta,
-                                                        ring_eps_low=self.ring_eps_low,
-                                                        ring_eps_high=self.ring_eps_high))
-
-
-@dataclass(frozen=True)
-class TauOptions:
-    """Options of a REP loss (``opmd``, ``asymre``).
-
-    Args:
-        tau: OPMD's weight of (log pi - log alpha)^2, AsymRE's lowering of the baseline (both 0.1 in the paper).
-    """
-
-    tau: float = 0.1
-
-    def config(self, beta: float, section: str = "opmd") -> RECLossConfig:
-        return _built(section, lambda: RECLossConfig(tau=self.tau, beta=beta))
-
-
-@dataclass(frozen=True)
-class REDWeightOptions:
-    """Options of ``red_weight``.
-
-    Args:
-        temperature: each sample's REINFORCE term is weighted by exp(A / temperature), > 0.
-    """
-
-    temperature: float = 1.0
-
-    def config(self, beta: float) -> RECLossConfig:
-        return _built("red_weight", lambda: RECLossConfig(red_weight_temperature=self.temperature, beta=beta))
+# Options of the built-in losses: one typed group per loss, which is also the config the loss is called with
+# (GRPOOptions in lit_grpo.math.objective, the REC family's in lit_grpo.math.rec, next to their formulas)
 
 
 @dataclass(frozen=True)
@@ -196,16 +103,16 @@ class LossOptions:
 # Batch hooks
 
 
-def red_drop_batch(batch: RolloutBatch, rank: int) -> torch.Tensor:
+def red_drop_batch(batch: RolloutBatch, rank: int) -> tuple[RolloutBatch, torch.Tensor]:
     """RED-Drop shapes the data (Yao et al. 2025, appendix RED): recompute the advantages on a balanced subset of
     each group (:func:`~lit_grpo.math.rec.red_drop_advantages`) and drop the rest from the loss. Seeded by batch
-    and rank, so a resumed run drops the same samples. Rewrites ``batch.advantages``; returns the ``[S]`` keep
-    mask (float, 1 = kept)."""
+    and rank, so a resumed run drops the same samples. Returns a copy of ``batch`` holding the new advantages
+    (``batch`` itself is left as it was collated) and the ``[S]`` keep mask (float, 1 = kept)."""
     generator = torch.Generator().manual_seed(batch.batch_index * 1_000_003 + rank)
-    advantages, keep = red_drop_advantages(batch.rewards.view(-1, batch.group_size).cpu(), generator,
+    advantages, keep = rec.red_drop_advantages(batch.rewards.view(-1, batch.group_size).cpu(), generator,
                                            eps=batch.advantage_eps, scale=batch.scale_rewards)
-    batch.advantages = advantages.view(-1).to(batch.advantages.device)
-    return keep.view(-1).to(batch.completion_mask.device, torch.float32)
+    shaped = dataclasses.replace(batch, advantages=advantages.view(-1).to(batch.advantages.device))
+    return shaped, keep.view(-1).to(batch.completion_mask.device, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,31 +121,45 @@ def red_drop_batch(batch: RolloutBatch, rank: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LossEntry:
-    """A built-in loss: its function, how its ``config`` is made from the options and ``model.beta``, the
-    :class:`LossOptions` section it reads (None: no options) and its optional batch hook."""
+    """A built-in loss: its function and its optional batch hook. Its options class is the one the function's
+    ``config`` parameter is annotated with (:func:`config_class`), its :class:`LossOptions` section the field named
+    as the loss (none for a loss without options)."""
 
     fn: LossFn
-    make_config: Callable[[LossOptions, float], object]
-    section: str | None
     shape_batch: BatchHook | None = None
 
 
+#: the one registry of built-in losses: ``model.loss`` names one of these
 BUILTIN_LOSSES: dict[str, LossEntry] = {
-    "grpo": LossEntry(POLICY_LOSSES["grpo"], lambda o, beta: o.grpo.config(beta), "grpo"),
-    "rec_oneside_nois": LossEntry(POLICY_LOSSES["rec_oneside_nois"],
-                                  lambda o, beta: o.rec_oneside_nois.config(beta, "rec_oneside_nois"),
-                                  "rec_oneside_nois"),
-    "rec_oneside_is": LossEntry(POLICY_LOSSES["rec_oneside_is"],
-                                lambda o, beta: o.rec_oneside_is.config(beta, "rec_oneside_is"), "rec_oneside_is"),
-    "rec_twoside_is": LossEntry(POLICY_LOSSES["rec_twoside_is"],
-                                lambda o, beta: o.rec_twoside_is.config(beta, "rec_twoside_is"), "rec_twoside_is"),
-    "rec_ring": LossEntry(POLICY_LOSSES["rec_ring"], lambda o, beta: o.rec_ring.config(beta), "rec_ring"),
-    "red_drop": LossEntry(POLICY_LOSSES["red_drop"], lambda o, beta: _built("red_drop", lambda: RECLossConfig(
-        beta=beta)), None, shape_batch=red_drop_batch),
-    "red_weight": LossEntry(POLICY_LOSSES["red_weight"], lambda o, beta: o.red_weight.config(beta), "red_weight"),
-    "opmd": LossEntry(POLICY_LOSSES["opmd"], lambda o, beta: o.opmd.config(beta, "opmd"), "opmd"),
-    "asymre": LossEntry(POLICY_LOSSES["asymre"], lambda o, beta: o.asymre.config(beta, "asymre"), "asymre"),
+    "grpo": LossEntry(grpo_loss),
+    "rec_oneside_nois": LossEntry(rec.rec_oneside_nois_loss),
+    "rec_oneside_is": LossEntry(rec.rec_oneside_is_loss),
+    "rec_twoside_is": LossEntry(rec.rec_twoside_is_loss),
+    "rec_ring": LossEntry(rec.rec_ring_loss),
+    "red_drop": LossEntry(rec.red_drop_loss, shape_batch=red_drop_batch),
+    "red_weight": LossEntry(rec.red_weight_loss),
+    "opmd": LossEntry(rec.opmd_loss),
+    "asymre": LossEntry(rec.asymre_loss),
 }
+
+# the built-in losses that have options: LossOptions' fields but ``custom``
+_SECTIONS = tuple(f.name for f in fields(LossOptions) if f.name != "custom")
+
+
+def config_class(fn: LossFn, spec: str) -> type | None:
+    """The class loss ``spec``'s ``config`` parameter is annotated with (None when it names no class)."""
+    try:
+        kind = get_type_hints(fn).get("config")
+    except Exception as e:  # an annotation that does not resolve: a NameError, a bad forward reference
+        raise ValueError(f"loss {spec!r}: cannot resolve its annotations ({e!r})") from e
+    return kind if isinstance(kind, type) else None
+
+
+def builtin_config(name: str, options: LossOptions, beta: float) -> LossConfig:
+    """The config built-in loss ``name`` is called with: its section of ``options`` (for a loss without options,
+    its options class's defaults), with ``beta`` = ``model.beta``."""
+    section = getattr(options, name) if name in _SECTIONS else config_class(BUILTIN_LOSSES[name].fn, name)()
+    return section.with_beta(beta)
 
 
 @dataclass(frozen=True)
@@ -292,14 +213,12 @@ def check_loss_signature(fn: LossFn, spec: str) -> None:
 
 
 def _custom_config(fn: LossFn, spec: str, options: Mapping[str, Any], beta: float) -> object:
-    """``config`` of your own loss: its ``config`` annotation's dataclass built from the options (and beta)."""
-    try:
-        kind = get_type_hints(fn).get("config")
-    except Exception as e:  # an annotation that does not resolve: a NameError, a bad forward reference
-        raise ValueError(f"loss {spec!r}: cannot resolve its annotations ({e!r})") from e
-    if not (isinstance(kind, type) and is_dataclass(kind)):
+    """``config`` of your own loss: its ``config`` annotation's dataclass built from the options (and beta; a
+    subclass of :class:`LossConfig`, as the built-in losses' options are, gets it by ``with_beta``)."""
+    kind = config_class(fn, spec)
+    if kind is None or not is_dataclass(kind):
         return CustomLossConfig(beta=beta, options=dict(options))
-    names = [f.name for f in fields(kind)]
+    names = [f.name for f in fields(kind) if f.init]
     if "beta" in options:
         raise ValueError(f"loss_options.custom sets beta; the KL weight is model.beta (loss {spec!r})")
     unknown = sorted(set(options) - set(names))
@@ -309,13 +228,14 @@ def _custom_config(fn: LossFn, spec: str, options: Mapping[str, Any], beta: floa
     kwargs = dict(options)
     if "beta" in names:
         kwargs["beta"] = beta
-    required = [f.name for f in fields(kind) if f.default is MISSING and f.default_factory is MISSING
+    required = [f.name for f in fields(kind) if f.init and f.default is MISSING and f.default_factory is MISSING
                 and f.name not in kwargs]
     if required:
         raise ValueError(f"loss_options.custom lacks {required}, which {kind.__name__} (the config of loss {spec!r}) "
                          "requires")
     try:
-        return kind(**kwargs)
+        config = kind(**kwargs)
+        return config.with_beta(beta) if isinstance(config, LossConfig) else config
     except (TypeError, ValueError) as e:
         raise ValueError(f"loss_options.custom: {kind.__name__} (the config of loss {spec!r}) refuses them: {e}") from e
 
@@ -325,7 +245,7 @@ def build_loss(spec: str, options: LossOptions | Mapping[str, Any] | None, beta:
     model loads. A section of ``options`` that the chosen loss does not read must be at its defaults."""
     options = as_group(LossOptions, options, "loss_options")
     entry = BUILTIN_LOSSES.get(spec) if isinstance(spec, str) else None
-    read = (entry.section if entry is not None else "custom")
+    read = "custom" if entry is None else (spec if spec in _SECTIONS else None)
     defaults = LossOptions()
     stray = [f.name for f in fields(LossOptions) if f.name != read
              and getattr(options, f.name) != getattr(defaults, f.name)]
@@ -334,7 +254,7 @@ def build_loss(spec: str, options: LossOptions | Mapping[str, Any] | None, beta:
         raise ValueError(f"loss_options.{stray[0]} is set ({getattr(options, stray[0])}) but model.loss {spec!r} "
                          f"{reads}; remove it or pick that loss")
     if entry is not None:
-        return PolicyLoss(spec, entry.fn, entry.make_config(options, beta), entry.shape_batch)
+        return PolicyLoss(spec, entry.fn, builtin_config(spec, options, beta), entry.shape_batch)
     fn = resolve_loss_function(spec)
     return PolicyLoss(spec, fn, _custom_config(fn, spec, options.custom, beta))
 

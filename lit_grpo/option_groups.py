@@ -8,8 +8,9 @@ back, which :func:`as_group` turns into the group again.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 from typing import Any, TypeVar, get_type_hints
 
 G = TypeVar("G")
@@ -27,7 +28,7 @@ def as_group(cls: type[G], value: G | Mapping[str, Any] | None, name: str) -> G:
         return value
     if not isinstance(value, Mapping):
         raise ValueError(f"{name} must be a {cls.__name__} or a mapping of its fields, got {type(value).__name__}")
-    names = [f.name for f in fields(cls)]
+    names = [f.name for f in fields(cls) if f.init]  # not a field set after construction (a loss's beta)
     unknown = sorted(set(value) - set(names))
     if unknown:
         raise ValueError(f"{name} ({cls.__name__}) has no option(s) {unknown}; expected among {names}")
@@ -41,11 +42,26 @@ def as_group(cls: type[G], value: G | Mapping[str, Any] | None, name: str) -> G:
         elif isinstance(item, list) and isinstance(defaults[key], tuple):
             item = tuple(item)  # a YAML or JSON list where the group keeps a tuple (adam betas)
         kwargs[key] = item
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        # a bad value, named by its group unless the message does (one options class serves several sections)
+        if str(err).startswith(name):
+            raise
+        raise ValueError(f"{name}: {err}") from err
 
 
 def plain(group: object) -> dict[str, Any]:
-    """A group as a dict of plain values (nested groups as dicts), as a checkpoint stores it."""
+    """A group as a dict of plain values (nested groups as dicts), as a checkpoint stores it: the fields its
+    constructor takes, so :func:`as_group` can build it again (a field set after construction, like a loss
+    config's ``beta``, is not an option and is left out)."""
     if not is_dataclass(group) or isinstance(group, type):
         raise ValueError(f"expected a dataclass instance, got {type(group).__name__}")
-    return asdict(group)
+    return {f.name: _plain_value(getattr(group, f.name)) for f in fields(group) if f.init}
+
+
+def _plain_value(value: Any) -> Any:
+    # as dataclasses.asdict treats a field's value: nested groups as dicts, everything else deep-copied
+    if is_dataclass(value) and not isinstance(value, type):
+        return plain(value)
+    return copy.deepcopy(value)

@@ -19,12 +19,14 @@ from lit_grpo.losses import (
     LossOptions,
     build_loss,
     check_loss_output,
+    config_class,
     red_drop_batch,
 )
-from lit_grpo.math.objective import GRPOLossConfig, token_stats
-from lit_grpo.math.rec import POLICY_LOSSES, RECLossConfig
+from lit_grpo.math.objective import LossConfig, token_stats
+from lit_grpo.math.rec import ClipOptions, REDWeightOptions, RingOptions, TauOptions
 from lit_grpo.module import GRPOModule
 from lit_grpo.optim import OptimizerArgs, build_optimizer
+from lit_grpo.option_groups import as_group, plain
 
 HERE = "test_custom_loss"  # this file, importable by name: conftest puts tests/ on sys.path
 
@@ -150,8 +152,8 @@ def test_options_of_a_loss_not_chosen_are_refused_not_ignored(no_model_loading):
     with pytest.raises(ValueError, match=r"loss_options.opmd is set.*'red_drop' has no options"):
         build_loss("red_drop", {"opmd": {"tau": 0.5}}, 0.0)
     # at their defaults, the other sections are fine (a base config may spell out grpo's while a REC loss runs)
-    assert build_loss("opmd", {"grpo": {"eps_low": 0.2}, "opmd": {"tau": 0.5}}, 0.1).config == RECLossConfig(
-        tau=0.5, beta=0.1)
+    assert build_loss("opmd", {"grpo": {"eps_low": 0.2}, "opmd": {"tau": 0.5}}, 0.1).config == TauOptions(
+        tau=0.5).with_beta(0.1)
 
 
 def test_loss_output_is_checked_against_the_contract():
@@ -167,46 +169,62 @@ def test_loss_output_is_checked_against_the_contract():
 
 
 def test_registry_covers_every_builtin_loss_and_its_options_section():
-    assert list(BUILTIN_LOSSES) == list(POLICY_LOSSES)
-    sections = {f.name for f in fields(LossOptions)}
+    sections = {f.name: f.type for f in fields(LossOptions)} | {"custom": None}
     for name, entry in BUILTIN_LOSSES.items():
-        assert entry.fn is POLICY_LOSSES[name]
-        assert entry.section in sections | {None}
+        kind = config_class(entry.fn, name)
+        # the loss's options class is its config: the class of its LossOptions section (red_drop has none)
+        assert issubclass(kind, LossConfig), name
+        assert sections.get(name, "LossConfig") == kind.__name__, name
         assert (entry.shape_batch is not None) == (name == "red_drop")  # only RED-Drop shapes the batch
-    assert sections - {e.section for e in BUILTIN_LOSSES.values()} == {"custom"}
+    assert set(sections) - set(BUILTIN_LOSSES) == {"custom"}
 
 
 @pytest.mark.parametrize("name, options, config", [
-    ("grpo", {"grpo": {"eps_low": 0.1, "ratio_cap": 3.0}}, GRPOLossConfig(eps_low=0.1, eps_high=0.1, beta=0.2,
-                                                                          ratio_cap=3.0)),
-    ("grpo", {"grpo": {"eps_low": 0.1, "eps_high": 0.28}}, GRPOLossConfig(eps_low=0.1, eps_high=0.28, beta=0.2)),
-    ("rec_twoside_is", {"rec_twoside_is": {"eps_low": 0.3}}, RECLossConfig(eps_low=0.3, eps_high=0.3, beta=0.2)),
-    ("rec_ring", {"rec_ring": {"ring_eps_low": 0.5}}, RECLossConfig(ring_eps_low=0.5, beta=0.2)),
-    ("red_weight", {"red_weight": {"temperature": 2.0}}, RECLossConfig(red_weight_temperature=2.0, beta=0.2)),
-    ("asymre", {"asymre": {"tau": 0.3}}, RECLossConfig(tau=0.3, beta=0.2)),
-    ("red_drop", None, RECLossConfig(beta=0.2)),
+    ("grpo", {"grpo": {"eps_low": 0.1, "ratio_cap": 3.0}}, GRPOOptions(eps_low=0.1, ratio_cap=3.0)),
+    ("grpo", {"grpo": {"eps_low": 0.1, "eps_high": 0.28}}, GRPOOptions(eps_low=0.1, eps_high=0.28)),
+    ("rec_twoside_is", {"rec_twoside_is": {"eps_low": 0.3}}, ClipOptions(eps_low=0.3)),
+    ("rec_ring", {"rec_ring": {"ring_eps_low": 0.5}}, RingOptions(ring_eps_low=0.5)),
+    ("red_weight", {"red_weight": {"temperature": 2.0}}, REDWeightOptions(temperature=2.0)),
+    ("asymre", {"asymre": {"tau": 0.3}}, TauOptions(tau=0.3)),
+    ("red_drop", None, LossConfig()),
 ])
 def test_each_loss_reads_its_own_section(name, options, config):
     loss = build_loss(name, options, beta=0.2)
-    assert loss.fn is POLICY_LOSSES[name] and loss.config == config
+    assert loss.fn is BUILTIN_LOSSES[name].fn and loss.config == config.with_beta(0.2)
+    assert loss.config.beta == 0.2 and config.beta == 0.0  # beta is model.beta, set on a copy
 
 
-def test_red_drop_hook_rewrites_advantages_and_keeps_a_balanced_subset():
+def test_beta_is_no_option_of_a_section(no_model_loading):
+    with pytest.raises(ValueError, match=r"loss_options.grpo \(GRPOOptions\) has no option\(s\) \['beta'\]"):
+        build_loss("grpo", {"grpo": {"beta": 0.1}}, 0.0)
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        build_loss("rec_ring", None, -0.5)
+    # a bad value in a section is named by its section, though one options class serves several
+    with pytest.raises(ValueError, match=r"^loss_options.rec_twoside_is: eps_low must be in \(0, 1\]"):
+        build_loss("rec_twoside_is", {"rec_twoside_is": {"eps_low": 2.0}}, 0.0)
+
+
+def test_red_drop_hook_returns_a_shaped_copy_and_keeps_a_balanced_subset():
     from lit_grpo.batch import RolloutBatch
 
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])  # group 0: 1 positive, 3 negatives
     s, c = rewards.numel(), 3
+    collated = torch.full((s,), 7.0)
     batch = RolloutBatch(prompt_ids=torch.zeros(2, 2, dtype=torch.long), prompt_mask=torch.ones(2, 2),
                          completion_ids=torch.zeros(s, c, dtype=torch.long), completion_mask=torch.ones(s, c),
-                         group_index=torch.arange(s) // 4, rewards=rewards, advantages=torch.zeros(s),
+                         group_index=torch.arange(s) // 4, rewards=rewards, advantages=collated.clone(),
                          group_mask=torch.ones(s), truncated=torch.zeros(s, dtype=torch.bool), group_size=4,
                          batch_index=5)
-    keep = red_drop_batch(batch, rank=0)
+    shaped, keep = red_drop_batch(batch, rank=0)
+    assert torch.equal(batch.advantages, collated)  # the batch as collated is not changed
+    assert shaped is not batch and shaped.rewards is batch.rewards and shaped.batch_index == 5
     assert keep[:4].sum() == 2 and keep[0] == 1  # the positive and one of the three negatives
     assert keep[4:].sum() == 4  # 3 positives, 1 negative: nothing to drop
-    kept = batch.advantages[:4][keep[:4].bool()]
+    kept = shaped.advantages[:4][keep[:4].bool()]
     assert torch.allclose(kept.abs(), torch.ones(2), atol=1e-3) and kept.sum().abs() < 1e-6  # +-1 on the pair
-    assert (batch.advantages[:4][~keep[:4].bool()] == 0).all()
+    assert (shaped.advantages[:4][~keep[:4].bool()] == 0).all()
+    again, keep_again = red_drop_batch(batch, rank=0)  # seeded by batch and rank: a resumed run drops the same
+    assert torch.equal(again.advantages, shaped.advantages) and torch.equal(keep_again, keep)
 
 
 def test_optimizer_group_validates_and_builds_adamw():
@@ -233,6 +251,39 @@ def test_groups_are_plain_dicts_in_the_checkpoint_and_load_back(tmp_path):
                                "schedule": "constant", "fused": False}
     assert hp["loss_options"]["grpo"] == {"eps_low": 0.1, "eps_high": 0.3, "exact_ref_ratio": False,
                                           "ratio_cap": None}
+    assert "beta" not in hp["loss_options"]["grpo"]  # model.beta is its own hyperparameter, not an option
     loaded = GRPOModule.load_from_checkpoint(tmp_path / "m.ckpt")
     assert loaded.optimizer_args == OptimizerArgs(lr=2e-3, betas=(0.8, 0.9))
-    assert loaded.loss_config == GRPOLossConfig(eps_low=0.1, eps_high=0.3)
+    assert loaded.loss_config == GRPOOptions(eps_low=0.1, eps_high=0.3)
+
+
+# loss_options as a checkpoint written before the options classes became the losses' configs stores them
+OLD_LOSS_OPTIONS = {
+    "grpo": {"eps_low": 0.1, "eps_high": 0.28, "exact_ref_ratio": False, "ratio_cap": None},
+    "rec_oneside_nois": {"eps_low": 0.2, "eps_high": None}, "rec_oneside_is": {"eps_low": 0.2, "eps_high": None},
+    "rec_twoside_is": {"eps_low": 0.2, "eps_high": None},
+    "rec_ring": {"eps_low": 0.2, "eps_high": None, "ring_eps_low": 0.6, "ring_eps_high": 2.0},
+    "red_weight": {"temperature": 1.0}, "opmd": {"tau": 0.1}, "asymre": {"tau": 0.1}, "custom": {},
+}
+
+
+def test_loss_options_of_an_earlier_checkpoint_load_unchanged():
+    options = as_group(LossOptions, OLD_LOSS_OPTIONS, "loss_options")
+    assert plain(options) == OLD_LOSS_OPTIONS  # the same structure is written back
+    assert build_loss("grpo", OLD_LOSS_OPTIONS, 0.1).config == GRPOOptions(eps_low=0.1, eps_high=0.28).with_beta(0.1)
+
+
+@dataclass(frozen=True)
+class OwnOptions(LossConfig):
+    """Your own loss's options may subclass LossConfig, as the built-in ones do: beta comes by ``with_beta``."""
+
+    eps: float = 0.2
+
+
+def own_options_loss(logp, alpha_logp, advantages, weights, mask, config: OwnOptions, pik_logp=None, ref_logp=None):
+    return written_out_grpo(logp, alpha_logp, advantages, weights, mask, ClipConfig(config.eps, config.beta))
+
+
+def test_own_loss_options_may_subclass_loss_config(no_model_loading):
+    loss = build_loss(f"{HERE}:own_options_loss", LossOptions(custom={"eps": 0.3}), 0.2)
+    assert loss.config == OwnOptions(eps=0.3).with_beta(0.2) and loss.config.beta == 0.2

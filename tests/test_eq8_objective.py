@@ -109,7 +109,7 @@ def module_loss_and_grad(mode: str, **zero_variance: bool) -> tuple[float, torch
     """The batch's loss through ``GRPOModule.loss_weights`` and the library's eq. 7 loss, in float64."""
     module = tiny_module(beta=BETA, loss_aggregation=mode, max_completion_length=MAX_LEN, **zero_variance)
     # the hand values clip at 1 -/+ EPS: the default clip half-widths of eq. 6
-    assert (module.loss_config.eps_low, module.loss_config.eps_high) == (EPS, EPS)
+    assert (module.loss_config.eps_low, module.loss_config.eps_upper) == (EPS, EPS)
     batch, logp, alpha_logp, ref_logp = batch_and_logps()
     weights = module.loss_weights(batch).to(torch.float64)
     loss, _ = grpo_loss(logp, alpha_logp, batch.advantages.to(torch.float64), weights, batch.completion_mask,

@@ -4,10 +4,10 @@ import pytest
 from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from lit_grpo.callbacks import WeightSync
 
-from lit_grpo.math.rec import POLICY_LOSSES
+from lit_grpo.losses import BUILTIN_LOSSES
 
 
-@pytest.mark.parametrize("loss", list(POLICY_LOSSES))
+@pytest.mark.parametrize("loss", list(BUILTIN_LOSSES))
 def test_every_policy_loss_trains(tmp_path, loss):
     recorder = MetricsRecorder()
     module = tiny_module(loss=loss, beta=0.1, lr=1e-2)

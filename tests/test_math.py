@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lit_grpo.math import (
-    GRPOLossConfig,
+    GRPOOptions,
     clip_bounds,
     clipped_surrogate,
     group_advantages,
@@ -167,7 +167,7 @@ def test_grpo_loss_combines_surrogate_kl_and_weights():
     ref = torch.log(torch.tensor([[0.5, 0.6]]))
     adv = torch.tensor([2.0])
     weights = torch.tensor([[0.5, 0.5]])
-    cfg = GRPOLossConfig(eps_low=0.2, eps_high=0.2, beta=0.1)
+    cfg = GRPOOptions(eps_low=0.2, eps_high=0.2).with_beta(0.1)
     loss, stats = grpo_loss(logp, alpha, adv, weights, torch.ones(1, 2), cfg, ref_logp=ref)
     r = [0.5 / 0.4, 1.0]
     surrogate = [2.0 * min(r[0], 1.2), 2.0 * min(r[1], 1.2)]
@@ -183,7 +183,7 @@ def test_grpo_loss_exact_ref_ratio_uses_pik():
     logp = torch.log(torch.tensor([[0.6]]))
     alpha = torch.log(torch.tensor([[0.3]]))
     pik = torch.log(torch.tensor([[0.45]]))  # r' = 1.5
-    cfg = GRPOLossConfig(eps_low=0.2, eps_high=0.2, exact_ref_ratio=True)
+    cfg = GRPOOptions(eps_low=0.2, eps_high=0.2, exact_ref_ratio=True)
     loss, stats = grpo_loss(logp, alpha, torch.tensor([1.0]), torch.ones(1, 1), torch.ones(1, 1), cfg, pik_logp=pik)
     # r = 2.0 > r' + eps = 1.7: clipped to 1.7
     assert loss.item() == pytest.approx(-1.7)
@@ -195,17 +195,24 @@ def test_grpo_loss_exact_ref_ratio_uses_pik():
 def test_grpo_loss_ratio_cap():
     logp = torch.log(torch.tensor([[0.9]]))
     alpha = torch.log(torch.tensor([[0.1]]))  # r = 9
-    cfg = GRPOLossConfig(eps_low=0.2, eps_high=0.2, ratio_cap=2.0)
+    cfg = GRPOOptions(eps_low=0.2, eps_high=0.2, ratio_cap=2.0)
     loss, _ = grpo_loss(logp, alpha, torch.tensor([-1.0]), torch.ones(1, 1), torch.ones(1, 1), cfg)
     # A < 0: -max(min(r, 2), 0.8) = -2 -> loss = +2 (without the cap it would be +9)
     assert loss.item() == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("kwargs, match", [({"eps_low": 0.0}, "eps_low"), ({"eps_high": -0.1}, "eps_high"),
-                                           ({"beta": -1.0}, "beta"), ({"ratio_cap": 0.0}, "ratio_cap")])
-def test_loss_config_rejects_bad_values(kwargs, match):
+@pytest.mark.parametrize("make, match", [(lambda: GRPOOptions(eps_low=0.0), "eps_low"),
+                                         (lambda: GRPOOptions(eps_high=-0.1), "eps_high"),
+                                         (lambda: GRPOOptions().with_beta(-1.0), "beta"),
+                                         (lambda: GRPOOptions().with_beta(float("nan")), "beta"),
+                                         (lambda: GRPOOptions(ratio_cap=0.0), "ratio_cap")])
+def test_loss_config_rejects_bad_values(make, match):
     with pytest.raises(ValueError, match=match):
-        GRPOLossConfig(**kwargs)
+        make()
+
+
+def test_grpo_options_eps_high_defaults_to_eps_low():
+    assert GRPOOptions(eps_low=0.1).eps_upper == 0.1 and GRPOOptions(eps_low=0.1, eps_high=0.28).eps_upper == 0.28
 
 
 def test_pass_at_k_unbiased_estimator():

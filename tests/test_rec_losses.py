@@ -5,24 +5,13 @@ import math
 import pytest
 import torch
 
-from lit_grpo.math import (
-    POLICY_LOSSES,
-    GRPOLossConfig,
-    RECLossConfig,
-    asymre_loss,
-    group_advantages,
-    grpo_loss,
-    make_loss_config,
-    opmd_loss,
-    rec_oneside_is_loss,
-    rec_oneside_nois_loss,
-    rec_ring_loss,
-    rec_twoside_is_loss,
-    red_drop_advantages,
-    red_drop_loss,
-    red_weight_loss,
-    red_weights,
-)
+from lit_grpo.losses import BUILTIN_LOSSES, build_loss
+from lit_grpo.math import group_advantages, grpo_loss, red_drop_advantages, red_weights
+from lit_grpo.math.objective import GRPOOptions, LossConfig
+from lit_grpo.math.rec import ClipOptions, REDWeightOptions, RingOptions, TauOptions
+
+# the losses as the trainer gets them: through the registry
+LOSSES = {name: entry.fn for name, entry in BUILTIN_LOSSES.items()}
 
 # Two sequences x 4 tokens. alpha puts 0.2 on every sampled token and pi = 0.2 * r, with ratios chosen so that
 # each branch of the three masks (defaults: inner band [0.8, 1.2], ring edges 0.4 and 3.0) is hit:
@@ -74,17 +63,17 @@ def _clip_counts(keep):
 
 
 REC_CASES = [
-    (rec_oneside_nois_loss, M_ONE_SIDE, False, (1, 1)),
-    (rec_oneside_is_loss, M_ONE_SIDE, True, (1, 1)),
-    (rec_twoside_is_loss, M_TWO_SIDE, True, (2, 3)),
-    (rec_ring_loss, M_RING, False, (2, 2)),
+    ("rec_oneside_nois", ClipOptions(), M_ONE_SIDE, False, (1, 1)),
+    ("rec_oneside_is", ClipOptions(), M_ONE_SIDE, True, (1, 1)),
+    ("rec_twoside_is", ClipOptions(), M_TWO_SIDE, True, (2, 3)),
+    ("rec_ring", RingOptions(), M_RING, False, (2, 2)),
 ]
 
 
-@pytest.mark.parametrize("fn, keep, use_is, clips", REC_CASES, ids=lambda x: getattr(x, "__name__", ""))
-def test_rec_losses_hand_value_gradient_and_clip_counts(fn, keep, use_is, clips):
+@pytest.mark.parametrize("name, config, keep, use_is, clips", REC_CASES, ids=[case[0] for case in REC_CASES])
+def test_rec_losses_hand_value_gradient_and_clip_counts(name, config, keep, use_is, clips):
     b = _batch()
-    loss, stats = fn(**b, config=RECLossConfig())
+    loss, stats = LOSSES[name](**b, config=config)
     expected, grad = _hand_reinforce(keep, ADV, use_is)
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     loss.backward()
@@ -101,8 +90,8 @@ def test_rec_losses_hand_value_gradient_and_clip_counts(fn, keep, use_is, clips)
 def test_rec_oneside_is_gradient_equals_grpo_clipped_surrogate_gradient():
     # REC-OneSide-IS is PPO's clip as a hard mask: same gradient as eq. 6 with r' = 1 (values differ).
     b1, b2 = _batch(), _batch()
-    rec_oneside_is_loss(**b1, config=RECLossConfig())[0].backward()
-    grpo_loss(**b2, config=GRPOLossConfig())[0].backward()
+    LOSSES["rec_oneside_is"](**b1, config=ClipOptions())[0].backward()
+    grpo_loss(**b2, config=GRPOOptions())[0].backward()
     assert torch.allclose(b1["logp"].grad, b2["logp"].grad, atol=1e-12)
 
 
@@ -110,20 +99,21 @@ def test_rec_masks_respect_asymmetric_and_ring_edges():
     b = _batch()
     # band [0.8, 1.3], ring edges 0.75 and 1.4: seq 0's r = 0.6 joins the outer ring, r = 1.5 leaves the band;
     # seq 1's r = 1.5 (>= 1.4) joins the outer ring, r = 0.5 stays out.
-    cfg = RECLossConfig(eps_low=0.2, eps_high=0.3, ring_eps_low=0.25, ring_eps_high=0.4)
-    loss, stats = rec_ring_loss(**b, config=cfg)
+    cfg = RingOptions(eps_low=0.2, eps_high=0.3, ring_eps_low=0.25, ring_eps_high=0.4)
+    loss, stats = LOSSES["rec_ring"](**b, config=cfg)
     keep = [[1, 1, 1, 0], [0, 1, 1, 1]]
     assert loss.item() == pytest.approx(_hand_reinforce(keep, ADV, False)[0], rel=1e-12)
     assert (stats["clip_low"].item(), stats["clip_high"].item()) == (1, 1)
 
 
-@pytest.mark.parametrize("fn", [rec_oneside_nois_loss, rec_twoside_is_loss, opmd_loss, asymre_loss])
-def test_beta_adds_unmasked_k3_kl_and_needs_ref(fn):
+@pytest.mark.parametrize("name", ["rec_oneside_nois", "rec_twoside_is", "opmd", "asymre"])
+def test_beta_adds_unmasked_k3_kl_and_needs_ref(name):
     b = _batch(requires_grad=False)
     ref_p = [[0.1, 0.1, 0.3, 0.3], [0.2, 0.2, 0.2, 0.2]]
     ref = torch.log(torch.tensor(ref_p, dtype=torch.float64))
-    base, _ = fn(**b, config=RECLossConfig())
-    loss, stats = fn(**b, config=RECLossConfig(beta=0.1), ref_logp=ref)
+    fn, config = LOSSES[name], build_loss(name, None, 0.0).config
+    base, _ = fn(**b, config=config)
+    loss, stats = fn(**b, config=config.with_beta(0.1), ref_logp=ref)
     kl_total, kl_sum = 0.0, 0.0
     for s in range(2):
         for t in range(4):
@@ -135,12 +125,12 @@ def test_beta_adds_unmasked_k3_kl_and_needs_ref(fn):
     assert loss.item() - base.item() == pytest.approx(kl_total, rel=1e-10)
     assert stats["kl_sum"].item() == pytest.approx(kl_sum, rel=1e-10)
     with pytest.raises(ValueError, match="ref_logp"):
-        fn(**b, config=RECLossConfig(beta=0.1))
+        fn(**b, config=config.with_beta(0.1))
 
 
 def test_opmd_hand_value_and_gradient():
     b = _batch()
-    loss, stats = opmd_loss(**b, config=RECLossConfig(tau=0.1))
+    loss, stats = LOSSES["opmd"](**b, config=TauOptions(tau=0.1))
     expected, grad = 0.0, []
     for s in range(2):
         row = []
@@ -157,7 +147,7 @@ def test_opmd_hand_value_and_gradient():
 
 def test_asymre_hand_value_and_gradient():
     b = _batch()
-    loss, stats = asymre_loss(**b, config=RECLossConfig(tau=0.1))
+    loss, stats = LOSSES["asymre"](**b, config=TauOptions(tau=0.1))
     expected, grad = _hand_reinforce(ONES, [1.5 + 0.1, -0.5 + 0.1], False)
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     loss.backward()
@@ -167,17 +157,17 @@ def test_asymre_hand_value_and_gradient():
 
 def test_tau_zero_reduces_opmd_and_asymre_to_reinforce():
     b = _batch(requires_grad=False)
-    cfg = RECLossConfig(tau=0.0)
+    cfg = TauOptions(tau=0.0)
     reinforce = _hand_reinforce(ONES, ADV, False)[0]
-    assert opmd_loss(**b, config=cfg)[0].item() == pytest.approx(reinforce, rel=1e-12)
-    assert asymre_loss(**b, config=cfg)[0].item() == pytest.approx(reinforce, rel=1e-12)
-    assert red_drop_loss(**b, config=cfg)[0].item() == pytest.approx(reinforce, rel=1e-12)
+    assert LOSSES["opmd"](**b, config=cfg)[0].item() == pytest.approx(reinforce, rel=1e-12)
+    assert LOSSES["asymre"](**b, config=cfg)[0].item() == pytest.approx(reinforce, rel=1e-12)
+    assert LOSSES["red_drop"](**b, config=LossConfig())[0].item() == pytest.approx(reinforce, rel=1e-12)
 
 
 @pytest.mark.parametrize("temp", [1.0, 0.5])
 def test_red_weight_hand_value_and_gradient(temp):
     b = _batch()
-    loss, _ = red_weight_loss(**b, config=RECLossConfig(red_weight_temperature=temp))
+    loss, _ = LOSSES["red_weight"](**b, config=REDWeightOptions(temperature=temp))
     coef = [1.5 * math.exp(1.5 / temp), -0.5 * math.exp(-0.5 / temp)]
     expected, grad = _hand_reinforce(ONES, coef, False)
     assert loss.item() == pytest.approx(expected, rel=1e-12)
@@ -256,7 +246,7 @@ def test_red_drop_loss_with_keep_folded_into_mask():
     keep = torch.tensor([True, False])
     mask = b["mask"] * keep.unsqueeze(-1)
     weights = b["weights"] * mask
-    loss, stats = red_drop_loss(**{**b, "mask": mask, "weights": weights}, config=RECLossConfig())
+    loss, stats = LOSSES["red_drop"](**{**b, "mask": mask, "weights": weights}, config=LossConfig())
     expected = sum(W[0][t] * (-1.5 * math.log(0.2 * RATIOS[0][t])) for t in range(4))
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     assert stats["tokens"].item() == 4
@@ -270,73 +260,68 @@ def test_red_drop_advantages_rejects_flat_rewards():
 def test_all_masked_batch_gives_zero_loss_and_finite_stats():
     b = _batch()
     zeros = torch.zeros(2, 4)
-    for name, fn in POLICY_LOSSES.items():
-        loss, stats = fn(**{**b, "mask": zeros, "weights": zeros}, config=make_loss_config(name))
+    for name, fn in LOSSES.items():
+        loss, stats = fn(**{**b, "mask": zeros, "weights": zeros}, config=build_loss(name, None, 0.0).config)
         assert loss.item() == 0.0, name
         assert stats["tokens"].item() == 0 and stats["ratio_min"].item() == math.inf, name
 
 
 def test_registry_names_interface_and_stats_keys():
-    assert list(POLICY_LOSSES) == [
+    assert list(LOSSES) == [
         "grpo", "rec_oneside_nois", "rec_oneside_is", "rec_twoside_is", "rec_ring", "red_drop", "red_weight",
         "opmd", "asymre",
     ]
-    assert POLICY_LOSSES["grpo"] is grpo_loss
+    assert LOSSES["grpo"] is grpo_loss
     b = _batch(requires_grad=False)
     ref = b["alpha_logp"]
-    grpo_keys = set(grpo_loss(**b, config=GRPOLossConfig())[1])
-    for name, fn in POLICY_LOSSES.items():
-        cfg = make_loss_config(name, beta=0.1)
+    grpo_keys = set(grpo_loss(**b, config=GRPOOptions())[1])
+    for name, fn in LOSSES.items():
+        cfg = build_loss(name, None, 0.1).config
         # the same keyword call for every loss, as the trainer makes it
         loss, stats = fn(logp=b["logp"], alpha_logp=b["alpha_logp"], advantages=b["advantages"],
                          weights=b["weights"], mask=b["mask"], config=cfg, pik_logp=b["alpha_logp"], ref_logp=ref)
         assert set(stats) == grpo_keys, name
         assert torch.isfinite(loss), name
+        assert fn.__name__ == f"{name}_loss" and fn.__doc__, name  # a plain function, documented
 
 
-def test_make_loss_config_types_and_errors():
-    assert make_loss_config("grpo") == GRPOLossConfig()
-    assert make_loss_config("grpo", eps_low=0.1, ratio_cap=2.0) == GRPOLossConfig(eps_low=0.1, ratio_cap=2.0)
-    cfg = make_loss_config("opmd", tau=0.3)
-    assert isinstance(cfg, RECLossConfig) and cfg.tau == 0.3 and cfg.ring_eps_high == 2.0
-    with pytest.raises(ValueError, match="unknown policy loss 'ppo'.*rec_oneside_nois"):
-        make_loss_config("ppo")
-    with pytest.raises(ValueError, match="ratio_cap"):
-        make_loss_config("rec_oneside_is", ratio_cap=2.0)  # a knob the REC losses would silently ignore
-    with pytest.raises(ValueError, match="tau"):
-        make_loss_config("grpo", tau=0.1)
-    with pytest.raises(ValueError, match="RECLossConfig"):
-        rec_ring_loss(**_batch(), config=GRPOLossConfig())
+def test_each_loss_refuses_another_loss_config():
+    with pytest.raises(ValueError, match="rec_ring_loss must be a RingOptions, got GRPOOptions"):
+        LOSSES["rec_ring"](**_batch(), config=GRPOOptions())
+    with pytest.raises(ValueError, match="opmd_loss must be a TauOptions, got ClipOptions"):
+        LOSSES["opmd"](**_batch(), config=ClipOptions())
 
 
-def test_rec_config_defaults():
-    cfg = RECLossConfig()
-    assert (cfg.eps_low, cfg.eps_high, cfg.ring_eps_low, cfg.ring_eps_high) == (0.2, 0.2, 0.6, 2.0)
-    assert (cfg.tau, cfg.red_weight_temperature, cfg.beta) == (0.1, 1.0, 0.0)
+def test_rec_options_defaults():
+    ring = RingOptions()
+    assert (ring.eps_low, ring.eps_upper, ring.ring_eps_low, ring.ring_eps_high) == (0.2, 0.2, 0.6, 2.0)
+    assert ClipOptions(eps_low=0.3).eps_upper == 0.3 and ClipOptions(eps_low=0.3, eps_high=0.1).eps_upper == 0.1
+    assert (TauOptions().tau, REDWeightOptions().temperature, LossConfig().beta) == (0.1, 1.0, 0.0)
+    assert LossConfig().with_beta(0.3).beta == 0.3
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "make, match",
     [
-        ({"eps_low": 0.0}, "eps_low"),
-        ({"eps_low": 1.5}, "eps_low"),
-        ({"eps_high": -0.1}, "eps_high"),
-        ({"ring_eps_low": 0.0}, "ring_eps_low"),
-        ({"ring_eps_high": 0.0}, "ring_eps_high"),
-        ({"tau": -0.1}, "tau"),
-        ({"tau": float("nan")}, "tau"),
-        ({"red_weight_temperature": 0.0}, "red_weight_temperature"),
-        ({"beta": -1.0}, "beta"),
+        (lambda: ClipOptions(eps_low=0.0), "eps_low"),
+        (lambda: ClipOptions(eps_low=1.5), "eps_low"),
+        (lambda: ClipOptions(eps_high=-0.1), "eps_high"),
+        (lambda: RingOptions(ring_eps_low=0.0), "ring_eps_low"),
+        (lambda: RingOptions(ring_eps_high=0.0), "ring_eps_high"),
+        (lambda: TauOptions(tau=-0.1), "tau"),
+        (lambda: TauOptions(tau=float("nan")), "tau"),
+        (lambda: REDWeightOptions(temperature=0.0), "temperature"),
+        (lambda: TauOptions().with_beta(-1.0), "beta"),
     ],
 )
-def test_rec_config_rejects_bad_values(kwargs, match):
+def test_rec_options_reject_bad_values(make, match):
     with pytest.raises(ValueError, match=match):
-        RECLossConfig(**kwargs)
+        make()
 
 
 def test_zero_advantage_tokens_are_counted_on_neither_clip_side():
     b = _batch(requires_grad=False)
-    loss, stats = rec_twoside_is_loss(**{**b, "advantages": torch.zeros(2, dtype=torch.float64)},
-                                      config=RECLossConfig())
+    loss, stats = LOSSES["rec_twoside_is"](**{**b, "advantages": torch.zeros(2, dtype=torch.float64)},
+                                           config=ClipOptions())
     assert loss.item() == 0.0
     assert stats["clip_low"].item() == 0 and stats["clip_high"].item() == 0

@@ -9,12 +9,15 @@ import torch
 
 AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "constant")
 
+#: turns this process's counts into totals over all processes (an all-reduce sum; see :func:`token_weights`)
+GlobalSum = Callable[[torch.Tensor], torch.Tensor]
+
 
 def token_weights(
     mask: torch.Tensor,
     mode: str,
     max_completion_length: int | None = None,
-    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    global_sum: GlobalSum | None = None,
 ) -> torch.Tensor:
     """Weights ``w`` with ``loss = sum(w * per_token_loss)`` over the whole rollout batch.
 
@@ -52,13 +55,9 @@ def token_weights(
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATION_MODES}")
 
 
-def zero_variance_masked_weights(
-    mask: torch.Tensor,
-    group_mask: torch.Tensor,
-    mode: str,
-    max_completion_length: int | None = None,
-    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
+def zero_variance_masked_weights(mask: torch.Tensor, group_mask: torch.Tensor, mode: str,
+                                 max_completion_length: int | None = None,
+                                 global_sum: GlobalSum | None = None) -> torch.Tensor:
     """Weights of eq. 8 of Mroueh et al. as written, ``E_x[ 1{sigma(x) != 0} (L(x) - beta KL(x)) ]``.
 
     The aggregation's weights are those of eq. 7, computed over every completion of ``mask`` (zero-variance
@@ -75,13 +74,9 @@ def zero_variance_masked_weights(
     return weights * group_mask.to(weights.dtype).unsqueeze(-1)
 
 
-def zero_variance_dropped_weights(
-    mask: torch.Tensor,
-    group_mask: torch.Tensor,
-    mode: str,
-    max_completion_length: int | None = None,
-    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
+def zero_variance_dropped_weights(mask: torch.Tensor, group_mask: torch.Tensor, mode: str,
+                                  max_completion_length: int | None = None,
+                                  global_sum: GlobalSum | None = None) -> torch.Tensor:
     """DAPO-style alternative to eq. 8: zero-variance groups leave the batch, denominators included.
 
     The weights are those of a batch holding only the groups with a reward spread (as after DAPO's dynamic

@@ -1,35 +1,90 @@
-"""Per-token GRPO objective: eq. 7 (clipped surrogate minus beta * KL), or eq. 8 through the weights."""
+"""Per-token GRPO objective: eq. 7 (clipped surrogate minus beta * KL), or eq. 8 through the weights; the
+config every built-in loss takes (:class:`LossConfig`) and what the losses share (the KL term, the statistics)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from lit_grpo.math.kl import k3_kl
 from lit_grpo.math.surrogate import clip_bounds, clipped_surrogate, truncate_ratio
 
+#: a policy loss: called with the contract's keyword arguments (written in :mod:`lit_grpo.losses`), returns
+#: ``(loss, stats)``
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+C = TypeVar("C", bound="LossConfig")
+
 
 @dataclass(frozen=True)
-class GRPOLossConfig:
-    """Knobs of the loss. ``exact_ref_ratio`` picks r' = pi_k / alpha in eq. 6; the default r' = 1 is the
-    approximation the paper uses in practice (section 3.2)."""
+class LossConfig:
+    """What the config of every built-in loss holds besides its options: ``beta``, the weight of the k3 KL to
+    pi_ref (eq. 7). It is ``model.beta``, set by :meth:`with_beta` when the loss is built, so it is no option of
+    a ``loss_options`` section: ``init=False`` keeps it out of the parser and of a checkpoint's ``loss_options``,
+    ``repr=False`` out of the parser's help (``dataclasses.replace`` refuses it and resets it to 0: call
+    :meth:`with_beta` on the copy). A loss with no options (``red_drop``) takes this class itself."""
+
+    beta: float = field(default=0.0, init=False, repr=False)
+
+    def with_beta(self: C, beta: float) -> C:
+        """A copy of these options that the loss is called with: the same fields, and ``beta``."""
+        if not beta >= 0:
+            raise ValueError(f"beta must be >= 0 (model.beta, the KL weight of eq. 7), got {beta}")
+        config = copy.copy(self)
+        object.__setattr__(config, "beta", float(beta))  # frozen, and beta is no argument of __init__
+        return config
+
+
+@dataclass(frozen=True)
+class ClipBand(LossConfig):
+    """A clip band ``[1 - eps_low, 1 + eps_high]`` around a ratio; ``eps_high`` None means ``eps_low``."""
 
     eps_low: float = 0.2
-    eps_high: float = 0.2
-    beta: float = 0.0
+    eps_high: float | None = None
+
+    @property
+    def eps_upper(self) -> float:
+        """The upper half-width in use: ``eps_high``, or ``eps_low`` when it is None (a symmetric band)."""
+        return self.eps_low if self.eps_high is None else self.eps_high
+
+
+@dataclass(frozen=True)
+class GRPOOptions(ClipBand):
+    """Options of ``grpo``, the clipped off-policy objective (eq. 6/7 of Mroueh et al.).
+
+    Args:
+        eps_low: lower clip half-width of eq. 6, the ratio's band is [r' - eps_low, r' + eps_high].
+        eps_high: upper clip half-width (None: eps_low).
+        exact_ref_ratio: use r' = pi_k / alpha in eq. 6 instead of the paper's practical r' = 1.
+        ratio_cap: truncated importance sampling, pi / alpha <= ratio_cap (None: no cap).
+    """
+
     exact_ref_ratio: bool = False
     ratio_cap: float | None = None
 
     def __post_init__(self) -> None:
         if not self.eps_low > 0:
             raise ValueError(f"eps_low must be > 0 (the clip half-width of eq. 6), got {self.eps_low}")
-        if not self.eps_high > 0:
+        if not self.eps_upper > 0:
             raise ValueError(f"eps_high must be > 0 (the clip half-width of eq. 6), got {self.eps_high}")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0 (the KL weight of eq. 7), got {self.beta}")
         if self.ratio_cap is not None and not self.ratio_cap > 0:
             raise ValueError(f"ratio_cap must be > 0 or None, got {self.ratio_cap}")
+
+
+def with_kl_penalty(per_token: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor | None,
+                    beta: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Eq. 7's KL term added to a per-token loss: ``per_token + beta * KL_k3(pi || pi_ref)``, and the k3 values
+    (None at beta = 0, which needs no pi_ref and adds nothing)."""
+    if not beta > 0:
+        return per_token, None
+    if ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp (the log-probs of pi_ref)")
+    kl = k3_kl(logp, ref_logp)
+    return per_token + beta * kl, kl
 
 
 def grpo_loss(
@@ -38,7 +93,7 @@ def grpo_loss(
     advantages: torch.Tensor,
     weights: torch.Tensor,
     mask: torch.Tensor,
-    config: GRPOLossConfig,
+    config: GRPOOptions,
     pik_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -59,19 +114,15 @@ def grpo_loss(
     else:
         ref_ratio = 1.0
     adv = advantages.to(logp.dtype).unsqueeze(-1)
-    per_token = -clipped_surrogate(ratio, ref_ratio, adv, config.eps_low, config.eps_high)
-    kl = None
-    if config.beta > 0:
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs ref_logp (the log-probs of pi_ref)")
-        kl = k3_kl(logp, ref_logp)
-        per_token = per_token + config.beta * kl
+    eps_high = config.eps_upper
+    per_token, kl = with_kl_penalty(-clipped_surrogate(ratio, ref_ratio, adv, config.eps_low, eps_high), logp,
+                                    ref_logp, config.beta)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():
-        m = mask.bool()
         r = ratio.detach()
-        low, high = clip_bounds(ref_ratio, config.eps_low, config.eps_high)
+        low, high = clip_bounds(ref_ratio, config.eps_low, eps_high)
+        m = mask.bool()
         clip_low = m & (adv < 0) & (r < low)
         clip_high = m & (adv > 0) & (r > high)
     return loss, token_stats(m, r, clip_low, clip_high, kl)

@@ -1,0 +1,206 @@
+"""The rollout engines' options, one typed group per ``data.engine`` kind, and the check of ``data.engine_options``.
+
+``data.engine_options`` stays a mapping (``{url: ...}`` for a server, ``{compile: false}`` in process), checked
+against the group of ``data.engine``: ``TransformersOptions``, ``VLLMOptions`` or ``ServerOptions``. An unknown key
+or a value of the wrong type is a ``ValueError`` naming it, before any model loads. The command line documents each
+group: ``python -m lit_grpo fit --data.engine_options.help ServerOptions``.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from lit_grpo.option_groups import as_group
+
+
+@dataclass(frozen=True)
+class TransformersOptions:
+    """``data.engine: transformers``: a private copy of the policy in the trainer's process
+    (``lit_grpo.engines.transformers_engine.TransformersEngine``).
+
+    Args:
+        rescore: the engine's log-probs are the trainer's function, so when it holds the policy's current weights
+            alpha = pi_k and the trainer's first forward gives alpha's log-probs; lagging weights are re-scored in
+            the trainer's micro-batches. ``false``: the sampler's log-probs are alpha's.
+        decode: ``auto`` (``static`` on CUDA with ``compile``, else ``dynamic``), ``static`` (transformers'
+            ``generate`` with a fixed-shape cache) or ``dynamic`` (a growing KV cache, a seeded generator of its own).
+        compile: compile the static path's decode step into CUDA graphs on a GPU (``false`` also makes ``auto``
+            take the dynamic path).
+        width_multiple: the static cache's width is a multiple of this many tokens (fewer recompilations).
+    """
+
+    rescore: bool = True
+    decode: Literal["auto", "static", "dynamic"] = "auto"
+    compile: bool = True
+    width_multiple: int = 64
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """``data.engine: vllm``: vLLM in the trainer's process (``lit_grpo.engines.vllm_engine.VLLMEngine``). Any other
+    key of ``data.engine_options`` is a ``vllm.LLM`` argument (``enforce_eager``, ``tensor_parallel_size``, ...) and
+    goes to ``llm_kwargs``.
+
+    Args:
+        dtype: the weights' dtype inside vLLM.
+        gpu_memory_utilization: the fraction of the GPU vLLM may take (weights and KV cache); the trainer needs the
+            rest.
+        max_model_len: the longest prompt + completion; ``null`` takes the model's.
+        enable_sleep_mode: free vLLM's GPU memory between rollouts.
+        seed: vLLM's engine seed (each batch's requests are seeded from the batch's own seed).
+        llm_kwargs: further ``vllm.LLM`` arguments.
+    """
+
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int | None = None
+    enable_sleep_mode: bool = False
+    seed: int = 0
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """``data.engine: server``: rollout servers over HTTP (``lit_grpo.engines.remote.client.ServerEngine``).
+
+    Args:
+        url: one server (``http://HOST:PORT``); give exactly one of ``url`` and ``urls``.
+        urls: several servers: each step's prompts are spread over them; weights go to all.
+        token: the servers' bearer token; default ``$LIT_GRPO_SERVER_TOKEN``. Prefer the environment or
+            ``token_file``: a config's values are saved with the run.
+        token_file: a file holding the token.
+        timeout_s: limit of every control call and of each bucket's transfer; keep it below the trainer's
+            process-group timeout, since the other ranks wait in a gather while rank 0 sends a bucket.
+        generate_timeout_s: limit of one completion request (and of waiting for a paused server).
+        kind: ``lit_grpo`` (``python -m lit_grpo serve``) or ``vllm`` (``vllm serve`` 0.32 or 0.33 in dev mode).
+        bucket_mb: size of the buckets rank 0 gathers, then sends (lit_grpo kind).
+        backend: ``gloo`` (CPU) or ``nccl`` (GPU) for the weight transfer. Default: ``gloo`` for the project's
+            server, ``nccl`` for vLLM (a CPU ``vllm serve`` takes ``gloo`` when started with
+            ``--weight-transfer-config '{"backend": "gloo"}'``, see ``lit_grpo.wire.vllm_gloo``).
+        transfer_address: this machine's address the server connects to (default: the one that routes to it).
+        dtype: the weights' dtype on the wire, which must be the server's (default: the one the project's server
+            reports; ``bfloat16`` for vLLM).
+        rescore: ``true``: when the server holds the policy's current weights (synced at this optimizer step),
+            alpha = pi_k and the trainer's first forward gives alpha's log-probs (first-iteration ratio exactly 1;
+            needs ``data.reuse_policy_logprobs``). Otherwise the server's sampler log-probs are alpha's. Default:
+            ``true`` for the project's server, ``false`` for vLLM (whose kernels differ from the trainer's).
+        stop_token_ids: token ids that end a completion besides the server's EOS; default: the trainer's EOS ids,
+            so both engines stop alike.
+        lockstep: after generating, agree over the ranks that every request succeeded (one all-reduce), so a
+            failure stops every rank at once.
+        packed: send a bucket's tensors packed into one ``uint8`` buffer (one broadcast per bucket).
+    """
+
+    url: str | None = None
+    urls: list[str] | None = None
+    token: str | None = None
+    token_file: str | None = None
+    timeout_s: float = 60.0
+    generate_timeout_s: float = 900.0
+    kind: Literal["lit_grpo", "vllm"] = "lit_grpo"
+    bucket_mb: float = 64.0
+    backend: Literal["gloo", "nccl"] | None = None
+    transfer_address: str | None = None
+    dtype: str | None = None
+    rescore: bool | None = None
+    stop_token_ids: list[int] | None = None
+    lockstep: bool = True
+    packed: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.url is None) == (self.urls is None):
+            raise ValueError("ServerEngine needs exactly one of url (one server) and urls (a list of servers)")
+        urls = self.server_urls
+        if not urls or len(set(urls)) != len(urls) or not all(isinstance(u, str) for u in urls):
+            raise ValueError(f"urls must be a non-empty list of distinct server URLs, got {urls!r}")
+        kinds = get_args(get_type_hints(ServerOptions)["kind"])
+        if self.kind not in kinds:
+            raise ValueError(f"unknown server kind {self.kind!r}; expected one of {kinds}")
+        for name in ("timeout_s", "generate_timeout_s", "bucket_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        backends = ("gloo", "nccl")
+        if self.backend is not None and self.backend not in backends:
+            raise ValueError(f"unknown backend {self.backend!r}; expected one of {backends}")
+        from lit_grpo.wire.weight_transfer import DTYPES
+
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [self.url] if self.url is not None else list(self.urls or [])
+
+    @property
+    def transfer_backend(self) -> str:
+        """``backend``, or the kind's default: NCCL for vLLM, gloo for the project's server."""
+        return self.backend or ("nccl" if self.kind == "vllm" else "gloo")
+
+
+#: ``data.engine`` -> the group its ``data.engine_options`` are checked against
+ENGINE_OPTIONS: dict[str, type] = {"transformers": TransformersOptions, "vllm": VLLMOptions, "server": ServerOptions}
+EngineOptions = Union[TransformersOptions, VLLMOptions, ServerOptions]  # noqa: UP007 (a value, read at run time)
+
+
+def engine_options(engine: str, value: EngineOptions | Mapping[str, Any] | None) -> EngineOptions:
+    """``data.engine_options`` as the group of ``engine``: a group of that kind as is, a mapping checked key by key
+    and value by value (for vLLM, a key that is not an option is a ``vllm.LLM`` argument)."""
+    cls = ENGINE_OPTIONS[engine]
+    name = "data.engine_options"
+    if isinstance(value, (TransformersOptions, VLLMOptions, ServerOptions)) and not isinstance(value, cls):
+        raise ValueError(f"{name} is a {type(value).__name__}, but data.engine {engine!r} takes a {cls.__name__}")
+    if cls is VLLMOptions and isinstance(value, Mapping):
+        known = {f.name for f in fields(VLLMOptions)}
+        extra = {k: v for k, v in value.items() if k not in known}
+        value = {**{k: v for k, v in value.items() if k in known},
+                 "llm_kwargs": {**dict(value.get("llm_kwargs") or {}), **extra}}
+    group = as_group(cls, value, name)
+    check_types(group, name)
+    return group
+
+
+def check_types(group: object, name: str) -> None:
+    """Refuse a field whose value does not have its annotated type (what a YAML or JSON mapping can hold: numbers,
+    strings, booleans, lists, mappings, null, and a ``Literal``'s values)."""
+    hints = get_type_hints(type(group))
+    for f in fields(group):
+        value = getattr(group, f.name)
+        if not _fits(value, hints[f.name]):
+            raise ValueError(f"{name}.{f.name} must be {_describe(hints[f.name])}, got {value!r} "
+                             f"({type(group).__name__})")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if origin is Literal:
+        return value in args
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        return isinstance(value, list) and all(_fits(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, Mapping) and all(isinstance(k, str) for k in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if hint is type(None):
+        return "null"
+    return getattr(hint, "__name__", str(hint))

@@ -1,0 +1,45 @@
+"""`ServerConnection`: the trainer's link to one rollout server: its HTTP client, the weight version this trainer last
+pushed to it, and, on rank 0, the weight-transfer group (project's server) or vLLM's trainer side. The client engine,
+the push and the pi_ref client each use the connections ``ServerEngine`` holds."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from lit_grpo.distributed import close_at_exit
+from lit_grpo.serving.protocol import HTTPClient
+
+
+class ServerConnection:
+    """One server: its HTTP client, the version this trainer last pushed to it and, on rank 0, the weight-transfer
+    group (project's server) or vLLM's trainer side."""
+
+    def __init__(self, url: str, token: str | None, timeout_s: float) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"server url must look like http://HOST:PORT, got {url!r}")
+        self.url = url.rstrip("/")
+        self.host = parts.hostname
+        self.client = HTTPClient(url, token, timeout_s)
+        self.expected_version: str | None = None  # what this trainer last pushed to it
+        self.group = None
+        self.store = None
+        self.listener = None
+        self.vllm = None  # (client, source, trainer engine) for kind vllm
+
+    def attach_group(self, group: Any, store: Any, listener: Any) -> None:
+        """Keep the weight-transfer group this side formed (with its store and, on the trainer's side, the store's
+        listening socket) until ``close_group``, which also runs at the end of the process: the group's worker
+        threads must be joined before the interpreter finalizes (``lit_grpo.distributed.close_at_exit``)."""
+        self.group, self.store, self.listener = group, store, listener
+        close_at_exit(self.close_group)
+
+    def close_group(self) -> None:
+        """Drop the weight-transfer group: the last reference to a gloo group joins its worker threads."""
+        from lit_grpo.serving.weight_transfer import close_group
+
+        close_group(self.group)
+        if self.listener is not None:
+            self.listener.close()
+        self.group = self.store = self.listener = None

@@ -1,0 +1,94 @@
+"""`ServedPolicy`: the rollout policy a server holds, its ``weight_version``, and the guard that keeps generation and
+a weight swap apart. The generation routes and the weight receiver each hold it; it is the one state they share.
+
+A generation counts itself in ``in_flight`` so that a swap waits for it, and waits for a swap in progress before it
+starts; the version it reports is the one it started under, which no swap can change while it runs. ``/pause``
+stops new generations (503 until ``/resume``) and, in mode ``abort``, ends the running ones between two decoding
+steps (``abort_epoch``). torch is not imported here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from lit_grpo.wire.protocol import HTTPFailure
+
+
+class ServedPolicy:
+    """The served model (``model``, its ``params`` by name, ``device``, floating ``dtypes``) and its version.
+
+    Thread-safe: HTTP requests are served on threads of their own, and ``cond`` guards ``paused``, ``in_flight``,
+    ``swapping``, ``abort_epoch`` and ``weight_version``."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.params = dict(model.named_parameters())
+        self.device = next(model.parameters()).device
+        self.dtypes = sorted({str(p.dtype).split(".")[-1] for p in self.params.values() if p.is_floating_point()})
+        self.cond = threading.Condition()
+        self.paused = False
+        self.in_flight = 0
+        self.swapping = False
+        self.abort_epoch = 0
+        self.weight_version: str | None = None
+
+    @contextmanager
+    def generating(self) -> Iterator[tuple[int, str | None]]:
+        """One generation: refused while paused, started once no swap runs, counted until it ends. Yields the abort
+        epoch and the weight version it runs under."""
+        with self.cond:
+            if self.paused:
+                raise HTTPFailure(503, "generation is paused (a weight update is in progress); retry after /resume")
+            while self.swapping:
+                self.cond.wait()
+            self.in_flight += 1
+            epoch, version = self.abort_epoch, self.weight_version
+        try:
+            yield epoch, version
+        finally:
+            with self.cond:
+                self.in_flight -= 1
+                self.cond.notify_all()
+
+    def pause(self, abort: bool) -> None:
+        """Refuse new generations; ``abort`` ends the running ones at their next step; return once none runs."""
+        with self.cond:
+            self.paused = True
+            if abort:
+                self.abort_epoch += 1
+            while self.in_flight:
+                self.cond.wait()
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The block changes the weights: it runs once the generations in flight are done, and holds new ones back
+        until it ends."""
+        with self.cond:
+            self.swapping = True
+            while self.in_flight:
+                self.cond.wait()
+            try:
+                yield
+            finally:
+                self.swapping = False
+                self.cond.notify_all()
+
+    @contextmanager
+    def settled(self) -> Iterator[None]:
+        """The block reads the weights while no swap runs."""
+        with self.cond:
+            while self.swapping:
+                self.cond.wait()
+            yield
+
+    def set_version(self, version: str) -> None:
+        with self.cond:
+            self.weight_version = version

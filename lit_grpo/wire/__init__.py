@@ -1,0 +1,5 @@
+"""What the trainer and the rollout servers share, imported by both sides and by neither side's other code: the
+HTTP protocol (``protocol``: routes, request and response shapes, the token, errors, the JSON client; no torch), the
+bytes of a weight push (``weight_transfer``: the process group, packing, buckets, waits, checksums) and the gloo
+weight-transfer backend for ``vllm serve`` (``vllm_gloo``: a vLLM plugin, its worker side and its trainer side).
+Importing this package imports nothing heavy; import the module you need."""
