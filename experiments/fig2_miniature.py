@@ -86,13 +86,11 @@ REC_ROWS: dict[str, list[str]] = TABLE1 | {
 
 #: the paper suite's rows (the server, beta, swaps and task come on top) and their max_staleness K
 PAPER_ROWS: dict[str, list[str]] = {
-    "v1-i1": [],
+    "v1-i1": TABLE1["v1-i1"],
     "v1-i1-eq8": ["--model.mask_zero_variance", "true"],
-    "v10-i1": ["--sync.every_n_batches", "10"],
-    "v1-i10": ["--model.iterations_per_batch", "10"],
-    "v10-i1-maxtv": ["--sync.every_n_batches", "10", "--sync.max_tv", str(MAX_TV)],
-    "v1-i1-k1": [],
-    "v10-i1-k1": ["--sync.every_n_batches", "10"],
+    **{row: TABLE1[row] for row in ("v10-i1", "v1-i10", "v10-i1-maxtv")},
+    "v1-i1-k1": TABLE1["v1-i1"],
+    "v10-i1-k1": TABLE1["v10-i1"],
 }
 STALENESS = {"v1-i1-k1": 1, "v10-i1-k1": 1}
 
@@ -265,22 +263,10 @@ def command(row_overrides: list[str], seed: int, folder: Path, args: argparse.Na
 def read_run(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], list[tuple[int, float]]]:
     """TensorBoard scalars ``{tag: [(step, value)]}`` of a run and the event times ``[(step, wall_time)]`` of its
     Pass@1 evaluations."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from lit_grpo.plots import read_scalars, scalar_events
 
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    eval_times: list[tuple[int, float]] = []
-    files = sorted(folder.rglob("events.out.tfevents.*"))
-    if not files:
-        raise ValueError(f"no TensorBoard event files under {str(folder)!r}")
-    for path in files:
-        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            events = acc.Scalars(tag)
-            scalars.setdefault(tag, []).extend((e.step, e.value) for e in events)
-            if tag == SERIES["pass@1"]:
-                eval_times.extend((e.step, e.wall_time) for e in events)
-    return {tag: sorted(points) for tag, points in scalars.items()}, eval_times
+    eval_times = [(e.step, e.wall_time) for e in scalar_events(folder).get(SERIES["pass@1"], [])]
+    return read_scalars(folder), eval_times
 
 
 def run_one(suite: Suite, row: str, seed: int, args: argparse.Namespace, model_name: str,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 DEFAULT_TAGS = (
     "rollout/reward_mean",
@@ -21,11 +22,12 @@ DEFAULT_TAGS = (
 )
 
 
-def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """``{tag: [(step, value), ...]}`` from every event file under ``run_dir``."""
+def scalar_events(run_dir: str | Path) -> dict[str, list[Any]]:
+    """TensorBoard's scalar events (``step``, ``wall_time``, ``value``) of every event file under ``run_dir``, by
+    tag, in file order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    series: dict[str, list[tuple[int, float]]] = {}
+    events: dict[str, list[Any]] = {}
     files = sorted(Path(run_dir).rglob("events.out.tfevents.*"))
     if not files:
         raise ValueError(f"no TensorBoard event files under {str(run_dir)!r}")
@@ -33,8 +35,13 @@ def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
         acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags().get("scalars", []):
-            series.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
-    return {tag: sorted(points) for tag, points in series.items()}
+            events.setdefault(tag, []).extend(acc.Scalars(tag))
+    return events
+
+
+def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` from every event file under ``run_dir``."""
+    return {tag: sorted((e.step, e.value) for e in events) for tag, events in scalar_events(run_dir).items()}
 
 
 def plot_runs(run_dirs: list[str], out: str, tags: tuple[str, ...] = DEFAULT_TAGS) -> Path:

@@ -56,6 +56,17 @@ def tiny_trainer(tmp_path, max_steps: int, callbacks=(), **overrides) -> L.Train
     return L.Trainer(**kwargs)
 
 
+def recorded_steps(workdir, module, data, max_steps: int, every_n_batches: int = 1) -> list[dict[str, float]]:
+    """Each step's logged metrics of a fit of ``module`` on ``data`` with ``WeightSync(every_n_batches)``."""
+    from lit_grpo.callbacks import WeightSync
+
+    recorder = MetricsRecorder()
+    trainer = tiny_trainer(workdir, max_steps=max_steps, callbacks=[WeightSync(every_n_batches=every_n_batches),
+                                                                    recorder])
+    trainer.fit(module, datamodule=data)
+    return recorder.steps
+
+
 @pytest.fixture
 def recorder() -> MetricsRecorder:
     return MetricsRecorder()

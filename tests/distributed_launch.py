@@ -80,3 +80,14 @@ def launch_to_the_end(jobs: list[dict], world: int, workdir: Path, timeout_s: fl
     codes = [p.poll() for p in procs]
     stop(procs, logs)
     return codes, [(workdir / f"rank{r}.log").read_text() for r in range(world)], elapsed
+
+
+def assert_same_steps(expected: list[dict[str, float]], got: list[dict[str, float]], abs_tol: float = 1e-6) -> None:
+    """Every logged number of every step equal within ``abs_tol``, on steps that moved (the loss changes and
+    the KL term is live), so that equality is not that of a run that did nothing."""
+    import pytest
+
+    for want, have in zip(expected, got, strict=True):
+        for key in want:
+            assert have[key] == pytest.approx(want[key], abs=abs_tol), key
+    assert len({round(s["train/loss"], 6) for s in expected}) > 1 and any(s["train/kl"] > 0 for s in expected)

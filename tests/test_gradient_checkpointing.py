@@ -1,8 +1,7 @@
 """`model.gradient_checkpointing: true` computes the same update as without it, and a fit runs with it."""
 
-from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
+from conftest import recorded_steps, tiny_data, tiny_module
 from handmade import handmade_batch, loss_and_grads, perturb
-from lit_grpo.callbacks import WeightSync
 
 from lit_grpo.scoring import checkpointing_drops_cache
 
@@ -31,13 +30,9 @@ def test_checkpointing_gives_the_same_loss_and_gradients():
 
 
 def test_fit_with_checkpointing_matches_fit_without(tmp_path):
-    steps = {}
-    for checkpointing in (False, True):
-        recorder = MetricsRecorder()
-        trainer = tiny_trainer(tmp_path / str(checkpointing), max_steps=2,
-                               callbacks=[WeightSync(every_n_batches=1), recorder])
-        trainer.fit(tiny_module(gradient_checkpointing=checkpointing, beta=0.1, lr=1e-2), datamodule=tiny_data())
-        steps[checkpointing] = recorder.steps
+    steps = {checkpointing: recorded_steps(tmp_path / str(checkpointing), tiny_module(
+        gradient_checkpointing=checkpointing, beta=0.1, lr=1e-2), tiny_data(), max_steps=2)
+        for checkpointing in (False, True)}
     assert len(steps[True]) == 2
     # same rollouts (the engine samples in eval mode either way), same loss at the first step
     first, ckpt_first = steps[False][0], steps[True][0]

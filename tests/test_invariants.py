@@ -1,7 +1,7 @@
 """The on-/off-policy invariants of Table 1, checked on real fits of a tiny model."""
 
 import torch
-from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
+from conftest import recorded_steps, tiny_data, tiny_module, tiny_trainer
 from handmade import handmade_batch, loss_and_grads, perturb, select_groups
 from lit_grpo.callbacks import RefModelSwap, WeightSync
 
@@ -128,13 +128,9 @@ def test_kl_is_zero_right_after_ref_swap(tmp_path, recorder):
 
 def test_reusing_policy_logprobs_when_in_sync_changes_nothing(tmp_path):
     """alpha = pi_k when the engine holds the current weights: skipping its scoring pass changes nothing."""
-    runs = {}
-    for reuse in (False, True):
-        recorder = MetricsRecorder()
-        trainer = tiny_trainer(tmp_path / str(reuse), max_steps=5,
-                               callbacks=[WeightSync(every_n_batches=2), recorder])
-        trainer.fit(tiny_module(beta=0.1, lr=1e-2), datamodule=tiny_data(reuse_policy_logprobs=reuse))
-        runs[reuse] = recorder.steps
+    runs = {reuse: recorded_steps(tmp_path / str(reuse), tiny_module(beta=0.1, lr=1e-2),
+                                  tiny_data(reuse_policy_logprobs=reuse), max_steps=5, every_n_batches=2)
+            for reuse in (False, True)}
     for a, b in zip(runs[False], runs[True]):
         for key in ("train/loss", "train/ratio_first_iteration_max", "train/ratio_first_iteration_min", "train/kl"):
             # the engine's no-grad pass and the policy's training pass agree to float rounding
