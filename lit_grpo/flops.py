@@ -72,6 +72,16 @@ def peak_flops_for(device_name: str) -> float | None:
     return None
 
 
+def device_peak_flops(device: torch.device, peak_flops: float | None = None) -> float | None:
+    """One device's peak FLOP/s, the denominator of MFU: ``peak_flops`` when set, else the bf16 dense peak of this
+    CUDA device when the table knows it, else None (CPU, unknown device): no MFU rather than a wrong one."""
+    if peak_flops is not None:
+        return float(peak_flops)
+    if device.type != "cuda":
+        return None
+    return peak_flops_for(torch.cuda.get_device_name(device))
+
+
 def model_flops_utilisation(flops: float, seconds: float, devices: int, peak_flops: float) -> float:
     """MFU: achieved FLOP/s per device over the device's peak, ``flops / seconds / devices / peak_flops``, with
     ``flops`` summed over the ``devices`` that worked for ``seconds`` (the slowest one's time)."""

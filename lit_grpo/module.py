@@ -1,7 +1,8 @@
 """`GRPOModule`: policy, frozen reference and the clipped off-policy GRPO loss, trained with manual optimization.
 
 One rollout batch -> ``iterations_per_batch`` (the paper's i) optimizer steps; each step runs every
-micro-batch forward and backward, clips gradients and steps AdamW. The math lives in ``lit_grpo.math``.
+micro-batch forward and backward, clips gradients and steps AdamW. The math lives in ``lit_grpo.math``; what the
+step logs in ``lit_grpo.step_metrics``, and how its statistics merge in ``lit_grpo.stat_reduction``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from lit_grpo.distributed import (
     reduce_stats,
     sum_over_ranks,
 )
-from lit_grpo.flops import model_flops_utilisation, parameter_count, peak_flops_for, processed_tokens, update_flops
+from lit_grpo.flops import device_peak_flops, parameter_count, processed_tokens
 from lit_grpo.losses import LossOptions, build_loss, check_loss_output
 from lit_grpo.math.aggregation import (
     AGGREGATION_MODES,
@@ -37,13 +38,22 @@ from lit_grpo.math.aggregation import (
     zero_variance_dropped_weights,
     zero_variance_masked_weights,
 )
-from lit_grpo.math.tv import logprob_gap, tv_estimate
+from lit_grpo.math.tv import tv_estimate
 from lit_grpo.model_copies import frozen_copy
 from lit_grpo.models import disable_dropout, load_model_and_tokenizer
 from lit_grpo.optim import OptimizerArgs, build_optimizer
 from lit_grpo.option_groups import as_group, plain
 from lit_grpo.precision import check_trainer_precision, check_weights_dtype
 from lit_grpo.scoring import completion_logprobs
+from lit_grpo.stat_reduction import merge_stats
+from lit_grpo.step_metrics import (
+    UpdateCost,
+    first_iteration_stats,
+    log_completions,
+    step_metrics,
+    step_statistics,
+    wait_for_device,
+)
 
 
 class GRPOModule(L.LightningModule):
@@ -275,9 +285,10 @@ class GRPOModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         staleness = self.global_step - batch.rollout_step
         start = time.perf_counter()
-        # a loss that shapes the batch (RED-Drop's balanced subset) says so through its hook: a [S] keep mask
+        # a loss that shapes the batch (RED-Drop's balanced subset) says so through its hook: it returns a shaped
+        # copy (new advantages) to train on and a [S] keep mask, and leaves the collated batch as it is
         shape_batch = self.policy_loss.shape_batch
-        keep = shape_batch(batch, rank_and_world()[0]) if shape_batch is not None else None
+        batch, keep = shape_batch(batch, rank_and_world()[0]) if shape_batch is not None else (batch, None)
         weights = self.loss_weights(batch, keep)
         micro_batches = list(batch.micro_batches())
         ref_logps = self.reference_logprobs(batch, micro_batches)
@@ -324,7 +335,7 @@ class GRPOModule(L.LightningModule):
         first = iteration == 0
         logp, entropy = completion_logprobs(self.policy, mb, hp.temperature, with_entropy=hp.log_entropy and first)
         pik_logp = logp.detach() if first else pik_logp
-        alpha_logp = pik_logp if batch.alpha_logp is None else mb.take(batch.alpha_logp)
+        alpha_logp = alpha_logprobs(batch, mb, pik_logp)
         loss, stats = check_loss_output(self.policy_loss.name, self.loss_fn(
             logp=logp, alpha_logp=alpha_logp, advantages=mb.take(batch.advantages),
             weights=mb.take(weights), mask=mb.completion_mask, config=self.loss_config,
@@ -349,120 +360,30 @@ class GRPOModule(L.LightningModule):
         sums = []
         for j, mb in enumerate(micro_batches):
             logp, _ = completion_logprobs(self.policy, mb, self.hparams.temperature)
-            alpha_logp = pik_logps[j] if batch.alpha_logp is None else mb.take(batch.alpha_logp)
-            sums.append(tv_estimate(logp, alpha_logp, mb.completion_mask).sum)
+            sums.append(tv_estimate(logp, alpha_logprobs(batch, mb, pik_logps[j]), mb.completion_mask).sum)
         return torch.stack(sums).sum()
 
     # ---- logging --------------------------------------------------------------------------------------
     def log_step(self, batch: RolloutBatch, iteration_stats: list[dict], grad_norms: list[torch.Tensor],
                  staleness: int, update_seconds: float) -> None:
-        """Log the step's metrics, reduced over ranks so that they mean what they mean in one process: token
-        sums and counts add, extrema combine, rollout means average over ranks (every rank holds the same
-        number of sequences), timings take the slowest rank. The device statistics reach the host here, in one
-        transfer (``reduce_stats``)."""
-        _, world = rank_and_world()
-        local: dict[str, torch.Tensor | float] = {}
-        for i, stats in enumerate(iteration_stats):
-            for key, value in stats.items():
-                local[f"it{i}/{key}"] = value
-        for i, norm in enumerate(grad_norms):
-            local[f"grad_norm{i}_max"] = norm  # the same number on every rank: max keeps it
-        rollout_counts = ("generated_tokens", "reward_errors", "reward_timeouts")
-        for key, value in batch.stats.items():
-            if key.endswith("_seconds"):
-                local[f"rollout/{key}_max"] = value
-            elif key.endswith("_max"):
-                local[f"rollout/{key}_max"] = value  # a maximum over the ranks (staleness_max), logged as named
-            elif key in rollout_counts:
-                local[f"rollout/{key}"] = value
-            else:
-                local[f"rollout/{key}"] = float(value) / world
-        local["update_seconds_max"] = update_seconds
-        g = reduce_stats(local)
-        n_it = len(iteration_stats)
-
-        def total(key: str) -> float:
-            return sum(float(g[f"it{i}/{key}"]) for i in range(n_it))
-
-        tokens = float(g["it0/tokens"])
-        denom = max(tokens, 1.0)
-        all_tokens = max(total("tokens"), 1.0)
-        update_seconds = float(g["update_seconds_max"])
-        metrics = {
-            "train/loss": total("loss") / n_it,
-            "train/loss_first_iteration": float(g["it0/loss"]),
-            "train/kl": float(g["it0/kl_sum"]) / denom,
-            "train/entropy": float(g.get("it0/entropy_sum", 0.0)) / denom,
-            "train/clip_low_fraction": total("clip_low") / all_tokens,
-            "train/clip_high_fraction": total("clip_high") / all_tokens,
-            "train/ratio_mean": total("ratio_sum") / all_tokens,
-            "train/ratio_min": min(float(g[f"it{i}/ratio_min"]) for i in range(n_it)),
-            "train/ratio_max": max(float(g[f"it{i}/ratio_max"]) for i in range(n_it)),
-            "train/ratio_first_iteration_min": float(g["it0/ratio_min"]),
-            "train/ratio_first_iteration_max": float(g["it0/ratio_max"]),
-            "train/staleness": float(staleness),
-            "train/reference_served": float(self._reference_served),
-            "train/update_seconds": update_seconds,
-            "train/update_tokens_per_second": tokens * n_it / max(update_seconds, 1e-9),
-            "train/lr": float(self.lr_schedulers().get_last_lr()[0]),
-            **grad_norm_metrics([float(g[f"grad_norm{i}_max"]) for i in range(len(grad_norms))]),
-            **self.flops_metrics(float(g["it0/processed_tokens"]), n_it, update_seconds, world),
-            # Theorem 1: the two TV terms, per sampled token (sigma_alpha is rollout/reward_std)
-            "tv/pik_alpha": float(g["it0/tv_pik_alpha_sum"]) / max(float(g["it0/tv_tokens"]), 1.0),
-            "tv/pi_alpha": float(g[f"it{n_it - 1}/tv_pi_alpha_sum"]) / max(float(g["it0/tv_tokens"]), 1.0),
-        }
-        if staleness == 0:
-            # trainer-sampler mismatch: alpha should be pi_k when the engine holds the policy's weights; what is left
-            # is the engines' numerics (vLLM's kernels, another precision), or weights that did not arrive
-            metrics["train/logp_gap_synced"] = float(g["it0/logp_gap_sum"]) / max(float(g["it0/tv_tokens"]), 1.0)
-        for key, value in g.items():
-            if key.startswith("rollout/"):
-                metrics[key.removesuffix("_max")] = float(value)
-        metrics["rollout/tokens_per_second"] = metrics.get("rollout/generated_tokens", 0.0) / max(
-            metrics.get("rollout/generate_seconds", 0.0), 1e-9)
+        """Log the step's metrics (``lit_grpo.step_metrics``), reduced over ranks so that they mean what they mean
+        in one process, each as the one rule of ``lit_grpo.stat_reduction`` says. The device statistics reach the
+        host here, in one transfer (``reduce_stats``)."""
+        hp = self.hparams
+        reduced = reduce_stats(step_statistics(iteration_stats, grad_norms, batch.stats, update_seconds))
+        # pi_ref's pass counts where it ran: not here when the rollout server made it
+        cost = UpdateCost(parameters=self.policy_parameters, reference_pass=hp.beta > 0 and not self._reference_served,
+                          extra_no_grad_passes=int(hp.monitor_tv_after_update), devices=rank_and_world()[1],
+                          peak_flops=device_peak_flops(self.device, hp.peak_flops))
+        metrics = step_metrics(reduced, len(iteration_stats), len(grad_norms), staleness, self._reference_served,
+                               float(self.lr_schedulers().get_last_lr()[0]), cost)
         batch_size = batch.num_sequences
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
         self.log("reward", metrics.get("rollout/reward_mean", 0.0), prog_bar=True, on_step=True, batch_size=batch_size)
         self.log("staleness", float(staleness), prog_bar=True, on_step=True, batch_size=batch_size)
-        every = self.hparams.log_completions_every_n_steps
+        every = hp.log_completions_every_n_steps
         if every and batch.batch_index % every == 0 and self.global_rank == 0:
-            self.log_completions(batch)
-
-    def flops_metrics(self, tokens: float, iterations: int, update_seconds: float, world: int) -> dict[str, float]:
-        """``train/update_flops``: the update's model FLOPs over all ranks (``lit_grpo.flops``: 6 N per token for
-        each policy forward + backward, 2 N for the reference's and the TV-after-update no-grad passes), and
-        ``train/mfu``, achieved FLOP/s per device over the peak, when a peak is known."""
-        hp = self.hparams
-        # pi_ref's pass counts where it ran: not here when the rollout server made it
-        flops = update_flops(self.policy_parameters, tokens, iterations,
-                             reference_pass=hp.beta > 0 and not self._reference_served,
-                             extra_no_grad_passes=int(hp.monitor_tv_after_update))
-        metrics = {"train/update_flops": flops}
-        peak = self.device_peak_flops()
-        if peak is not None and update_seconds > 0:
-            metrics["train/mfu"] = model_flops_utilisation(flops, update_seconds, world, peak)
-        return metrics
-
-    def device_peak_flops(self) -> float | None:
-        """One device's peak FLOP/s: ``peak_flops`` when set, else the bf16 dense peak of this CUDA device when the
-        table knows it, else None (CPU, unknown device): no MFU rather than a wrong one."""
-        if self.hparams.peak_flops is not None:
-            return float(self.hparams.peak_flops)
-        if self.device.type != "cuda":
-            return None
-        return peak_flops_for(torch.cuda.get_device_name(self.device))
-
-    def log_completions(self, batch: RolloutBatch) -> None:
-        """First completion of each group with its reward, as markdown text in TensorBoard."""
-        writer = getattr(self.logger, "experiment", None)
-        if writer is None or not hasattr(writer, "add_text"):
-            return
-        lines = []
-        for row in range(0, batch.num_sequences, batch.group_size):
-            tokens = batch.completion_ids[row][batch.completion_mask[row].bool()]
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            lines.append(f"**reward {float(batch.rewards[row]):.3f}**\n\n    " + text.replace("\n", "\n    "))
-        writer.add_text("rollout/completions", "\n\n---\n\n".join(lines), global_step=self.global_step)
+            log_completions(self.logger, self.tokenizer, batch, self.global_step)
 
     # ---- exact resume -------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -495,44 +416,11 @@ class GRPOModule(L.LightningModule):
             torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def merge_stats(into: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
-    """Fold one micro-batch's statistics into running totals (sums add, extrema combine), in float64 on the
-    statistics' own device: no host sync per micro-batch, the totals reach the host once per step."""
-    for key, value in stats.items():
-        value = value.detach().to(torch.float64)
-        if key not in into:
-            into[key] = value
-        elif key.endswith("_min"):
-            into[key] = torch.minimum(into[key], value)
-        elif key.endswith("_max"):
-            into[key] = torch.maximum(into[key], value)
-        else:
-            into[key] = into[key] + value
+def alpha_logprobs(batch: RolloutBatch, mb: MicroBatch, pik_logp: torch.Tensor) -> torch.Tensor:
+    """log alpha on ``mb``'s tokens (alpha: the policy that sampled the batch, eq. 6's denominator).
 
-
-def first_iteration_stats(pik_logp: torch.Tensor, alpha_logp: torch.Tensor, mask: torch.Tensor,
-                          entropy: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Statistics of pi_k, the policy before this batch, taken at the first iteration's forward: the TV(pi_k,
-    alpha) sum and token count, the trainer-sampler log-prob gap, and the entropy sum when it was computed."""
-    tv = tv_estimate(pik_logp, alpha_logp, mask)
-    stats = {"tv_pik_alpha_sum": tv.sum, "tv_tokens": tv.count,
-             "logp_gap_sum": logprob_gap(pik_logp, alpha_logp, mask).sum}
-    if entropy is not None:
-        stats["entropy_sum"] = (entropy * mask).sum().to(torch.float64)
-    return stats
-
-
-def wait_for_device(device: torch.device) -> None:
-    """Block until ``device`` has run what was queued on it. Kernels run asynchronously on a GPU, and the update no
-    longer syncs per micro-batch, so without this the update's clock would stop before its work is done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def grad_norm_metrics(values: list[float]) -> dict[str, float]:
-    """``train/grad_norm``: the mean over the step's optimizer steps of the global norm before clipping, over the
-    finite ones (a 16-mixed step whose gradients overflowed is skipped by the scaler, and counted apart)."""
-    finite = [v for v in values if math.isfinite(v)]
-    metrics = {"train/grad_norm": sum(finite) / len(finite) if finite else float("nan")}
-    metrics["train/nonfinite_grad_steps"] = float(len(values) - len(finite))
-    return metrics
+    The batch carries them (``batch.alpha_logp``) unless alpha = pi_k: the engine that sampled it held exactly the
+    policy's current weights, so the data module skipped the engine's scoring pass (``alpha_logprobs`` there,
+    ``reuse_policy_logprobs``) and the trainer's own first forward on the batch gives those log-probs, ``pik_logp``
+    (the ratio pi_k / alpha is then exactly 1). Every use of alpha in the step resolves it here."""
+    return pik_logp if batch.alpha_logp is None else mb.take(batch.alpha_logp)
