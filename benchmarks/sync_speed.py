@@ -8,7 +8,7 @@ at a time, the cast, each bucket broadcast over the server's own gloo group, the
 version round trip). The reference is ``TransformersEngine.load_weights`` in one process (a ``copy_`` of every
 parameter into the engine's private copy), the in-process engine's sync.
 
-Rank 0 reports where a sync's time goes (``ServerEngine.last_push``): ``begin`` (weight_info, pause, start),
+Rank 0 reports where a sync's time goes (``ServerEngine.pusher.last_push``): ``begin`` (weight_info, pause, start),
 ``gather`` (the gather to rank 0 and the casts), ``send`` (packing a bucket, a view when it already lies back to
 back, announcing it, broadcasting it and waiting for the server to take it) and ``finish`` (the server's swap, the
 version, resume). Separate passes time the gathers alone (no server): the gather to rank 0, and the
@@ -80,10 +80,11 @@ def rank_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lit_grpo.distributed import GatherBuffer, full_named_parameters, fully_shard_model, rank0_buckets
+    from lit_grpo.distributed import full_named_parameters, fully_shard_model
+    from lit_grpo.engines.remote.client import ServerEngine
+    from lit_grpo.engines.remote.weight_gather import GatherBuffer, rank0_buckets
     from lit_grpo.models import load_model_and_tokenizer
-    from lit_grpo.serving.client import ServerEngine
-    from lit_grpo.serving.weight_transfer import checksum
+    from lit_grpo.wire.weight_transfer import checksum
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
@@ -99,7 +100,7 @@ def rank_worker(args: argparse.Namespace) -> None:
         dist.barrier()
         start = time.perf_counter()
         engine.load_weights(full_named_parameters(model), step)
-        syncs.append({"seconds": time.perf_counter() - start, **engine.last_push})
+        syncs.append({"seconds": time.perf_counter() - start, **engine.pusher.last_push})
         dist.barrier()
         start = time.perf_counter()
         for _ in rank0_buckets(model, bucket_bytes, buffer):

@@ -12,6 +12,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from lit_grpo.callbacks.protocol import engine_of, full_named_tensors, policy_of
 
+from lit_grpo.engines.base import ReferenceServing, RolloutEngine
+
 
 class WeightSync(Callback):
     """Load the policy's weights into the rollout engine every ``every_n_batches`` rollout batches: this is the
@@ -36,7 +38,7 @@ class WeightSync(Callback):
     """
 
     def __init__(self, every_n_batches: int = 1, max_tv: float | None = None, tv_metric: str = "tv/pi_alpha",
-                 engine: Any = None, delay_batches: int = 0) -> None:
+                 engine: RolloutEngine | None = None, delay_batches: int = 0) -> None:
         if not isinstance(every_n_batches, int) or every_n_batches < 1:
             raise ValueError(f"every_n_batches (v) must be an integer >= 1, got {every_n_batches!r}")
         if max_tv is not None and not (0 <= max_tv < math.inf):
@@ -64,11 +66,14 @@ class WeightSync(Callback):
         self._restored_engine_state: dict | None = None
         self._restored = False
 
-    def push_reference_if_stale(self, engine: Any, pl_module: L.LightningModule) -> None:
-        """An engine that scores pi_ref itself (``serves_reference``: ``data.reference_on_server``) gets pi_ref
-        before the policy whenever the copy it holds is not the module's current one (at the start of a fit, and
-        at the first sync after each ``RefModelSwap``). Until then the module computes pi_ref's log-probs."""
-        reference = getattr(pl_module, "reference", None) if getattr(engine, "serves_reference", False) else None
+    def push_reference_if_stale(self, engine: RolloutEngine, pl_module: L.LightningModule) -> None:
+        """An engine that scores pi_ref itself (``ReferenceServing`` and ``serves_reference``:
+        ``data.reference_on_server``) gets pi_ref before the policy whenever the copy it holds is not the module's
+        current one (at the start of a fit, and at the first sync after each ``RefModelSwap``). Until then the module
+        computes pi_ref's log-probs."""
+        if not (isinstance(engine, ReferenceServing) and engine.serves_reference):
+            return
+        reference = getattr(pl_module, "reference", None)  # the module's side of the protocol: None at beta = 0
         if reference is None:
             return
         version = str(getattr(pl_module, "reference_version", 0))
@@ -145,7 +150,7 @@ class WeightSync(Callback):
         engine = engine_of(trainer, pl_module, self.engine)
         if engine.synced_step == trainer.global_step:
             return  # the engine holds the policy's weights: nothing extra to save
-        weights = engine.state_dict() if hasattr(engine, "state_dict") else None
+        weights = engine.state_dict()
         if weights is None:
             rank_zero_warn("the rollout engine lags the policy but cannot export its weights; a resume from this "
                            "checkpoint will not be exact")

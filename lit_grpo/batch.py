@@ -30,8 +30,11 @@ class MicroBatch:
         return part[:, : self.completion_ids.shape[1]] if part.dim() == 2 else part
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutBatch:
+    """One rank's rollout batch, built complete by the data module (``lit_grpo.data.rollout.collate_rollouts``) and
+    not changed afterwards (a loss that reshapes it makes a new one with ``dataclasses.replace``)."""
+
     prompt_ids: torch.Tensor  # [num_prompts, P] left-padded
     prompt_mask: torch.Tensor  # [num_prompts, P]
     group_index: torch.Tensor  # [S] long
@@ -67,6 +70,19 @@ class RolloutBatch:
         the rollout engine and by the policy bit-for-bit comparable."""
         return micro_batch_views(self.prompt_ids, self.prompt_mask, self.group_index, self.completion_ids,
                                  self.completion_mask, self.micro_batch_size)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one left-padded ``[num_prompts, P]`` tensor and its mask: the layout of ``RolloutBatch.prompt_ids``
+    and of an engine's prefill, so that a prompt's last token sits in the last column."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device=device)
+            mask[row, width - len(prompt) :] = 1
+    return ids, mask
 
 
 def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor,

@@ -23,7 +23,7 @@ DEBUG_ENV = "LIT_GRPO_DEBUG"
 
 #: subcommands that are not Trainer methods -> the module whose ``main(argv)`` runs them
 TOOLS: dict[str, str] = {"export": "lit_grpo.export", "eval": "lit_grpo.eval_command",
-                         "serve": "lit_grpo.serving.server"}
+                         "serve": "lit_grpo.serve.server"}
 #: every other subcommand (fit, validate, test, predict) and no subcommand at all: LightningCLI, through the
 #: ``train(args)`` of this module
 TRAINING = "lit_grpo.cli"

@@ -6,6 +6,12 @@ one process every function is a collective: all ranks must call it, in the same 
 
 from __future__ import annotations
 
+import atexit
+import gc
+import sys
+import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -13,12 +19,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_grpo.stat_reduction import RANKS, reduction
+
 # Prefixes that wrappers put in front of a model's own parameter names.
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
 
 def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        _RAN_DISTRIBUTED[0] = True  # this process's groups are released at exit (release_process_groups)
+        return True
+    return False
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -49,8 +60,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 
 def reduce_stats(stats: dict[str, torch.Tensor | float]) -> dict[str, torch.Tensor]:
-    """Reduce a dict of scalar statistics over ranks in three collectives: keys ending in ``_min`` take the
-    minimum, ``_max`` the maximum, every other key is summed (counts and sums, which merge exactly).
+    """Reduce a dict of scalar statistics over ranks in three collectives (min, max, sum), each key as the one
+    rule says (:func:`lit_grpo.stat_reduction.reduction` over ``ranks``): ``*_min`` the minimum, ``*_max`` and
+    ``*_seconds`` the maximum, a rollout mean the mean (a sum of each rank's share), every other key the sum
+    (counts and sums, which merge exactly).
 
     Values may be Python numbers or 0-d tensors on any device; the result is float64 on the host. Device values
     come over in one transfer (:func:`stack_to_host`), so a trainer can keep its statistics on the device for a
@@ -59,9 +72,12 @@ def reduce_stats(stats: dict[str, torch.Tensor | float]) -> dict[str, torch.Tens
     values = dict(zip(keys, stack_to_host([stats[k] for k in keys]).unbind()))
     if not is_distributed():
         return values
+    world = dist.get_world_size()
+    ops = {k: reduction(k, RANKS) for k in keys}
+    values.update({k: values[k] / world for k in keys if ops[k] == "mean"})
     out: dict[str, torch.Tensor] = {}
-    for suffix, op in (("_min", "min"), ("_max", "max"), (None, "sum")):
-        group = [k for k in keys if (k.endswith(suffix) if suffix else not k.endswith(("_min", "_max")))]
+    for op in ("min", "max", "sum"):
+        group = [k for k in keys if ops[k] == op or (op == "sum" and ops[k] == "mean")]
         if group:
             reduced = all_reduce(torch.stack([values[k] for k in group]), op)
             out.update(zip(group, reduced.unbind()))
@@ -113,9 +129,9 @@ def _full_named_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tenso
 
 class FullParameters(Iterator[tuple[str, torch.Tensor]]):
     """The iterator ``full_named_parameters`` returns. It also names the module it walks (``module``), so that a
-    consumer with a cheaper way to gather (the rollout server's push: ``rank0_buckets``, one point-to-point
-    transfer per bucket instead of an all-gather per parameter) can take the module instead, as long as nothing
-    has been iterated yet (``started``). Nothing is gathered before the first ``next``."""
+    consumer with a cheaper way to gather (the rollout server's push: ``rank0_buckets``, one point-to-point transfer
+    per bucket instead of an all-gather per parameter) can take the module instead, as long as nothing has been
+    iterated yet (``started``). Nothing is gathered before the first ``next``."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -156,163 +172,6 @@ def is_sharded(module: nn.Module) -> bool:
     """FSDP2 (DTensor parameters) or FSDP1 (a wrapper whose parameters are flat shards): a model no rank holds
     whole, which only collectives can read in full."""
     return is_fsdp1(module) or is_fsdp2(module)
-
-
-def fsdp2_source(named_tensors: object) -> nn.Module | None:
-    """The FSDP2 module behind a ``full_named_parameters`` iterator that has not started, else ``None``: the
-    tensors may then be gathered with ``rank0_buckets`` instead. Every rank gets the same answer for the same call
-    (the layout is the same on every rank), so every rank takes the same path."""
-    if isinstance(named_tensors, FullParameters) and not named_tensors.started and not is_fsdp1(named_tensors.module):
-        return named_tensors.module if is_fsdp2(named_tensors.module) else None
-    return None
-
-
-def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of the rows that shard ``index`` of ``shards`` holds when ``rows`` are split like
-    ``torch.chunk`` (DTensor's ``Shard(0)`` and FSDP2): chunks of ``ceil(rows / shards)``, the last ones shorter or
-    empty."""
-    chunk = -(-rows // shards)
-    start = min(index * chunk, rows)
-    return start, min(start + chunk, rows)
-
-
-def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Indices of consecutive items grouped into buckets of at most ``bucket_bytes`` (an item larger than that
-    travels alone): the grouping of ``serving.weight_transfer.buckets``, computed up front so every rank agrees."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes!r}")
-    plan: list[list[int]] = []
-    size = 0
-    for index, item in enumerate(sizes):
-        if plan and plan[-1] and size + item <= bucket_bytes:
-            plan[-1].append(index)
-            size += item
-        else:
-            plan.append([index])
-            size = item
-    return plan
-
-
-class GatherBuffer:
-    """Rank 0's receive memory for ``rank0_buckets``, kept across syncs: fresh memory costs page faults about as
-    slow as the copy on a CPU. One bucket of full tensors at a time lives in it."""
-
-    def __init__(self) -> None:
-        self.memory: torch.Tensor | None = None
-
-    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """``nbytes`` bytes (``uint8``) on ``device``, from the kept memory when it is large enough."""
-        if self.memory is None or self.memory.numel() < nbytes or self.memory.device != device:
-            self.memory = None  # free the old memory before taking the new
-            self.memory = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self.memory[:nbytes]
-
-
-def _aligned(offset: int, size: int) -> int:
-    """``offset`` rounded up to a multiple of ``size``: a tensor viewed in a byte buffer must start aligned."""
-    return -(-offset // size) * size
-
-
-def _p2p_layout(param: torch.Tensor, mesh: object, device: torch.device) -> bool:
-    """Can this parameter travel to rank 0 point to point? On ``mesh`` (1-D, every rank), one ``Shard(0)``
-    placement (FSDP2's, possibly uneven), a contiguous local shard holding the rows ``shard_rows`` gives this
-    rank, on ``device``, with a backend that sends it (gloo: CPU, NCCL: CUDA)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(param, DTensor) or param.device_mesh != mesh:
-        return False
-    placements = tuple(param.placements)
-    if len(placements) != 1 or type(placements[0]) is not Shard or placements[0].dim != 0:
-        return False
-    local = param.to_local()
-    start, stop = shard_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
-    backend = dist.get_backend(mesh.get_group())
-    sends = "gloo" in backend if local.device.type == "cpu" else "nccl" in backend
-    return (sends and local.device == device and local.is_contiguous()
-            and tuple(local.shape) == (stop - start, *param.shape[1:]))
-
-
-def _p2p_plan(params: list[torch.Tensor]) -> tuple[list[bool], object, torch.device | None]:
-    """Which parameters go point to point (the same answer on every rank: one all-reduce of the flags), over which
-    group (the first DTensor's mesh, when it is 1-D over every rank: FSDP2's training group) and on which
-    device."""
-    from torch.distributed.tensor import DTensor
-
-    first = next((p for p in params if isinstance(p, DTensor)), None)
-    if first is None or not is_distributed():
-        return [False] * len(params), None, None
-    mesh, device = first.device_mesh, first.to_local().device
-    whole = mesh.ndim == 1 and mesh.size() == dist.get_world_size()
-    flags = torch.tensor([1.0 if whole and _p2p_layout(p, mesh, device) else 0.0 for p in params])
-    agreed = all_reduce(flags, "min") if flags.numel() else flags
-    return [bool(f > 0.5) for f in agreed.tolist()], mesh.get_group() if whole else None, device
-
-
-def _full_on_rank0(param: torch.Tensor, target: torch.Tensor, group: object, tag: int) -> list:
-    """Rank 0's part for one parameter: its own rows copied into ``target`` (the full tensor's memory), a receive
-    posted for every other rank's rows (``P2POp``s, empty shards skipped)."""
-    mesh = param.device_mesh
-    ranks = mesh.mesh.flatten().tolist()
-    ops = []
-    for index, rank in enumerate(ranks):
-        start, stop = shard_rows(param.shape[0], len(ranks), index)
-        if stop == start:
-            continue
-        if rank == dist.get_rank():
-            target[start:stop].copy_(param.to_local())
-        else:
-            ops.append(dist.P2POp(dist.irecv, target[start:stop], peer=rank, group=group, tag=tag))
-    return ops
-
-
-def _gather_bucket(named: list[tuple[str, torch.Tensor]], p2p: list[bool], buffer: GatherBuffer, group: object,
-                   device: torch.device | None) -> list[tuple[str, torch.Tensor]]:
-    """One bucket: the other ranks send their shards to rank 0 (one batch of point-to-point transfers), rank 0
-    rebuilds the full tensors back to back in ``buffer``; parameters of other layouts are gathered with
-    ``full_tensor()`` (a collective, in the same order on every rank). Rank 0 gets the bucket, the others ``[]``."""
-    rank, _ = rank_and_world()
-    offsets, total = [], 0
-    for (_, param), direct in zip(named, p2p):
-        total = _aligned(total, param.element_size()) if direct else total
-        offsets.append(total)
-        total += param.numel() * param.element_size() if direct else 0
-    memory = buffer.get(total, device) if rank == 0 and any(p2p) else None
-    out, ops = [], []
-    for tag, ((name, param), direct, offset) in enumerate(zip(named, p2p, offsets)):
-        if not direct:
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            out.append((name, full.detach()))
-        elif rank == 0:
-            size = param.numel() * param.element_size()
-            target = memory[offset : offset + size].view(param.dtype).view(param.shape)
-            ops += _full_on_rank0(param, target, group, tag)
-            out.append((name, target))
-        elif param.to_local().numel():
-            ops.append(dist.P2POp(dist.isend, param.to_local().detach(), peer=0, group=group, tag=tag))
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
-    return out if rank == 0 else []
-
-
-@torch.no_grad()
-def rank0_buckets(module: nn.Module, bucket_bytes: int,
-                  buffer: GatherBuffer | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Full parameters by their model names, in buckets of at most ``bucket_bytes`` (a larger parameter travels
-    alone), on rank 0 only: the other ranks send their FSDP2 shards point to point to rank 0 and yield nothing.
-
-    Every rank must iterate it to the end, together (it is a collective). Rank 0 holds its own shards and one
-    bucket: the bucket's tensors are views of ``buffer`` (kept across calls by the caller), valid until the next
-    bucket is asked for; copy what you keep. FSDP2's ``Shard(0)`` parameters travel point to point; any other
-    layout (plain, replicated, other placements) is gathered with ``full_tensor()``, exactly as
-    ``full_named_parameters`` does. Without a process group this is ``full_named_parameters`` in buckets."""
-    named = [(strip_wrapper_prefixes(name), param) for name, param in module.named_parameters()]
-    p2p, group, device = _p2p_plan([param for _, param in named])
-    buffer = buffer if buffer is not None else GatherBuffer()
-    sizes = [param.numel() * param.element_size() for _, param in named]
-    for indices in plan_buckets(sizes, bucket_bytes):
-        bucket = _gather_bucket([named[i] for i in indices], [p2p[i] for i in indices], buffer, group, device)
-        if bucket:
-            yield bucket
 
 
 def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
@@ -431,3 +290,70 @@ def _fsdp2_sync_paused(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module.set_requires_gradient_sync(True)
+
+
+# ---- the end of a multi-process run -------------------------------------------------------------------------------
+# Why this exists: gloo runs each collective on a worker thread of its process group, and that thread drops its
+# reference to the finished work a moment after the caller's ``wait`` has returned. When that is the last reference
+# to a tensor whose Python object is already gone, dropping it needs the GIL. A thread that gets the GIL once the
+# interpreter has begun to finalize is ended (``pthread_exit``), and ending it inside that C++ destructor calls
+# ``std::terminate``: "terminate called without an active exception", exit -6, after a run that finished. Lightning
+# destroys its process group at exit for NCCL only, and nothing destroyed the weight push's group, so their worker
+# threads lived into finalization. Destroying a gloo group waits for its queued work and joins its worker threads;
+# done from ``atexit``, which runs before finalization begins, every work is released while the GIL can be taken.
+# (``ProcessGroup.shutdown`` and ``abort`` leave gloo's threads running: only the group's destruction joins them.)
+
+_EXIT_CLOSERS: list[weakref.WeakMethod] = []
+#: whether ``is_distributed`` was ever true here: the groups may then outlive ``destroy_process_group`` in garbage
+#: (a finished trainer's device mesh), which a collection at exit destroys
+_RAN_DISTRIBUTED = [False]
+#: seconds the release at exit leaves the GIL free after destroying the groups: time for a worker thread of a group
+#: that is still alive to be scheduled and to release its last work on a loaded machine
+EXIT_YIELD_S = 0.05
+
+
+def close_at_exit(method: Callable[[], object]) -> None:
+    """Call the bound ``method`` at the end of the process (:func:`release_process_groups`), before the
+    ``torch.distributed`` groups are destroyed, unless its object is gone by then. For a process group made outside
+    ``torch.distributed``'s registry (the weight push's): ``method`` drops the owner's references to it, which
+    destroys it. Registering the same method again keeps one entry."""
+    ref = weakref.WeakMethod(method)
+    _EXIT_CLOSERS[:] = [r for r in _EXIT_CLOSERS if r() is not None and r != ref]
+    _EXIT_CLOSERS.append(ref)
+
+
+def release_process_groups() -> None:
+    """Close what :func:`close_at_exit` registered (newest first), destroy every ``torch.distributed`` process
+    group, then collect garbage, so that a group whose last reference sat in a finished trainer (its device mesh, in
+    a reference cycle) is destroyed now too. Destroying a gloo group waits for the work queued on it and joins its
+    worker threads. A group something still reachable holds lives on (a device mesh that DTensor's caches keep, as
+    after an FSDP2 fit, or a module-level model's): the GIL is then given away for a moment, so that a worker thread
+    of such a group still releasing its last work gets it before the interpreter finalizes. Runs by itself at a
+    normal exit of any process that imported this module; a no-op when there is nothing to release."""
+    closers = [method for method in (ref() for ref in reversed(_EXIT_CLOSERS)) if method is not None]
+    _EXIT_CLOSERS.clear()
+    for close in closers:
+        try:
+            close()
+        except Exception as err:  # noqa: BLE001 (the other groups are still released)
+            warnings.warn(f"releasing {close.__qualname__} at exit failed: {err}", stacklevel=2)
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized:
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # noqa: BLE001 (the garbage is still collected)
+            warnings.warn(f"destroying the process groups at exit failed: {err}", stacklevel=2)
+    if closers or initialized or _RAN_DISTRIBUTED[0]:
+        gc.collect()
+        time.sleep(EXIT_YIELD_S)
+
+
+def _release_at_exit() -> None:
+    # After an uncaught exception a peer may never join a collective still queued here, and destroying the group
+    # would wait for it up to the group's timeout: such a process ends at once, as it did before.
+    if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
+        return
+    release_process_groups()
+
+
+atexit.register(_release_at_exit)

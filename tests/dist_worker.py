@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -83,20 +82,15 @@ def make_strategy(kind: str, world: int):  # noqa: ANN201
 class RecordRows:
     """Mixin for a data module: remember the dataset rows of every rollout batch this rank drew."""
 
-    def rollout(self, prompt_batch):  # noqa: ANN001, ANN201
+    def rollout_batch(self, prompt_batch):  # noqa: ANN001, ANN201
         self.drawn = getattr(self, "drawn", []) + [list(prompt_batch.rows)]
-        return super().rollout(prompt_batch)
+        return super().rollout_batch(prompt_batch)
 
-    def take_async(self, prompt_batch):  # noqa: ANN001, ANN201
-        self.drawn = getattr(self, "drawn", []) + [list(prompt_batch.rows)]
-        return super().take_async(prompt_batch)
-
-    def assemble(self, prompt_batch, groups, generate_seconds, sampled_step, reference=None,  # noqa: ANN001, ANN201
-                 reference_seconds=0.0):
+    def assemble(self, prompt_batch, groups, *args):  # noqa: ANN001, ANN002, ANN201
         """Also remember the weight versions a rollout server reported for the batch's completions."""
         versions = sorted({int(v) for g in groups for c in g for v in c.versions})
         self.versions = getattr(self, "versions", []) + [versions]
-        return super().assemble(prompt_batch, groups, generate_seconds, sampled_step, reference, reference_seconds)
+        return super().assemble(prompt_batch, groups, *args)
 
 
 class PushedVersions(Callback):
@@ -128,7 +122,7 @@ class EngineVsPolicy(MetricsRecorder):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         engine = trainer.datamodule.rollout_engine
         if hasattr(engine, "weight_checksums"):  # a rollout server: compare its SHA-256 of every parameter
-            from lit_grpo.serving.weight_transfer import checksum
+            from lit_grpo.wire.weight_transfer import checksum
 
             full = {name: checksum(t) for name, t in full_named_parameters(pl_module.policy)}
             same = all(served == full for served in engine.weight_checksums().values())
@@ -239,11 +233,4 @@ if __name__ == "__main__":
         results.append(run_job(job, str(Path(prefix).parent / f"job{i}")))
     rank = results[0]["rank"] if results else 0
     Path(f"{prefix}.{rank}.json").write_text(json.dumps(results))
-    # the results are on disk; end without interpreter teardown. A gloo rank has aborted in its teardown at exit
-    # ("terminate called without an active exception", exit -6) after writing complete results, which the
-    # launcher reports as a failed run; the barrier first, so that no rank leaves while a peer still gathers
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # an ordinary end: lit_grpo.distributed releases the process groups at exit, before the interpreter finalizes

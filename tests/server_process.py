@@ -27,7 +27,7 @@ class ServerProcess:
         token_file = workdir / "token"
         token_file.write_text(self.token)
         token_file.chmod(0o600)
-        entry = ["-m", "lit_grpo", "serve"] if via_cli else ["-m", "lit_grpo.serving.server"]
+        entry = ["-m", "lit_grpo", "serve"] if via_cli else ["-m", "lit_grpo.serve.server"]
         cmd = [sys.executable, *entry, "--model", model, "--port", str(port), "--token-file", str(token_file),
                "--threads", "1", "--device", device, *args]  # pinned: the tests' trainers run on the CPU
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from lit_grpo.serving.client import ServerEngine
+from lit_grpo.engines.remote.client import ServerEngine
+from lit_grpo.engines.remote.weight_push import WeightPusher
 
 
 class Stalled:
@@ -30,7 +31,7 @@ def main(url: str, weights: str, step: int, stall: int) -> None:
     torch.set_num_threads(1)
     tensors = torch.load(weights)
     engine = ServerEngine(url=url, bucket_mb=0.05, timeout_s=120)
-    send, count = ServerEngine._send, [0]
+    send, count = WeightPusher._send, [0]
 
     def stalling_send(self, server, info, payload):  # noqa: ANN001, ANN202
         count[0] += 1
@@ -39,7 +40,7 @@ def main(url: str, weights: str, step: int, stall: int) -> None:
             server.group = Stalled(server.group)
         return send(self, server, info, payload)
 
-    ServerEngine._send = stalling_send
+    WeightPusher._send = stalling_send
     engine.load_weights(tensors.items(), step)
     print("pushed everything", flush=True)
 

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from lit_grpo.data.async_rollouts import AsyncRollouts
+from lit_grpo.data.producer import InlineProducer, ProducerClosed, RolloutProducer
 from lit_grpo.data.staleness import (
     check_staleness_setup,
     groups_from_state,
@@ -15,8 +17,7 @@ from lit_grpo.data.staleness import (
     staleness_stats,
     weight_version_of,
 )
-from lit_grpo.engines.base import Completion
-from lit_grpo.serving.producer import ProducerClosed, RolloutProducer
+from lit_grpo.engines.base import Completion, Rollouts
 
 
 def test_jobs_run_in_order_on_one_thread_and_results_wait_to_be_taken():
@@ -144,8 +145,9 @@ def data_module(k: int, restored: dict | None = None):
     from lit_grpo.data.datamodule import RolloutDataModule
 
     module = RolloutDataModule(max_prompts=4, prompts_per_step=1)
-    module.max_staleness = k  # set past the constructor, which would ask for a server: the state does not use one
-    module.restored = dict(restored or {})
+    # K set past the constructor, which would ask for a server: the state does not use one
+    module.async_rollouts = AsyncRollouts(k, module.rollout_job)
+    module.async_rollouts.restored = dict(restored or {})
     return module
 
 
@@ -157,22 +159,63 @@ def test_a_state_without_batches_generated_ahead_leaves_none_restored():
     # a checkpoint of a synchronous run (K = 0) holds none
     loaded = data_module(1, EARLIER)
     loaded.load_state_dict(data_module(0).state_dict())
-    assert loaded.restored == {}
+    assert loaded.async_rollouts.restored == {}
     # a synchronous run loading an asynchronous checkpoint regenerates its batches
     loaded = data_module(0, EARLIER)
     with pytest.warns(UserWarning, match="this run is synchronous"):
         loaded.load_state_dict(data_module(1, SAVED).state_dict())
-    assert loaded.restored == {}
+    assert loaded.async_rollouts.restored == {}
 
 
 def test_a_state_from_another_world_size_leaves_none_restored():
     state = data_module(1, SAVED).state_dict()
     loaded = data_module(1, EARLIER)
     loaded.load_state_dict(state)
-    assert loaded.restored == SAVED  # the same world size: the checkpoint's batches, and only those
+    assert loaded.async_rollouts.restored == SAVED  # the same world size: the checkpoint's batches, and only those
     in_flight = state["in_flight"]
     other_world = dict(state, in_flight=dict(in_flight, world_size=2, ranks=in_flight["ranks"] * 2))
     loaded = data_module(1, EARLIER)
     with pytest.warns(UserWarning, match="come from 2 ranks and this run has 1"):
         loaded.load_state_dict(other_world)
-    assert loaded.restored == {}  # regenerated, and the earlier ones with them
+    assert loaded.async_rollouts.restored == {}  # regenerated, and the earlier ones with them
+
+
+def requests_of(k: int, log: list) -> AsyncRollouts:
+    """``AsyncRollouts`` whose request for batch j records the thread it runs on and returns one completion."""
+    def request(j: int):  # noqa: ANN202
+        def job():  # noqa: ANN202
+            log.append((j, threading.current_thread().name))
+            if j == 99:
+                raise RuntimeError("engine broke")
+            return Rollouts([[completion([str(j)])]]), float(j)
+        return job
+    return AsyncRollouts(k, request)
+
+
+def test_k0_requests_each_batch_on_the_training_thread_when_it_is_taken():
+    log = []
+    rollouts = requests_of(0, log)
+    for index in (0, 1, 2):
+        got, seconds, waited = rollouts.take(index)
+        assert got.groups[0][0].versions == (str(index),) and seconds == float(index) and waited == 0.0
+    assert log == [(j, threading.current_thread().name) for j in (0, 1, 2)]  # nothing ahead, nothing elsewhere
+    assert isinstance(rollouts.producer, InlineProducer) and rollouts.producer_waits == 0
+    with pytest.raises(RuntimeError, match="engine broke"):  # as from a direct call: no error to agree on
+        rollouts.take(99)
+    rollouts.keep_generated()
+    assert rollouts.restored == {} and rollouts.producer is None
+
+
+def test_k1_requests_the_next_batch_ahead_on_the_producer_thread():
+    log = []
+    rollouts = requests_of(1, log)
+    got, _, _ = rollouts.take(0)
+    assert got.groups[0][0].versions == ("0",)
+    rollouts.drain()  # batch 1 was handed over when batch 0 was taken
+    assert [j for j, _ in log] == [0, 1] and {name for _, name in log} == {"rollout-producer"}
+    rollouts.keep_generated()  # the end of a fit keeps batch 1 for the next one
+    assert list(rollouts.restored) == [1] and rollouts.producer is None
+    got, seconds, _ = rollouts.take(1)  # the kept batch, not requested again; batch 2 is handed over
+    rollouts.drain()
+    assert got.groups[0][0].versions == ("1",) and seconds == 1.0 and [j for j, _ in log] == [0, 1, 2]
+    rollouts.stop()

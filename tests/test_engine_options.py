@@ -42,7 +42,7 @@ def test_vllm_takes_any_other_key_as_an_llm_argument():
 
 
 @pytest.mark.parametrize(("engine", "value", "message"), [
-    ("transformers", {"url": "http://h:1"}, r"data.engine_options \(TransformersOptions\) has no option\(s\) \['url'\]"),
+    ("transformers", {"url": "http://h:1"}, r"engine_options \(TransformersOptions\) has no option\(s\) \['url'\]"),
     ("server", {"url": "http://h:1", "bucket": 64}, r"has no option\(s\) \['bucket'\]; expected among \['url'"),
     ("transformers", {"compile": "no"}, r"data.engine_options.compile must be bool, got 'no'"),
     ("transformers", {"decode": "fast"}, r"decode must be one of 'auto', 'static', 'dynamic', got 'fast'"),

@@ -117,9 +117,9 @@ def test_server_on_cuda_round_trip_and_push(tmp_path):
     from server_process import ServerProcess
 
     from lit_grpo.engines.base import SamplingConfig
+    from lit_grpo.engines.remote.client import ServerEngine
     from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
-    from lit_grpo.serving.client import ServerEngine
-    from lit_grpo.serving.weight_transfer import checksum
+    from lit_grpo.wire.weight_transfer import checksum
 
     model, tokenizer = load_model_and_tokenizer("tiny-random-llama")
     policy = copy.deepcopy(model)

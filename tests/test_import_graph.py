@@ -1,9 +1,15 @@
 """No import circle inside lit_grpo: the graph of which module imports which (at the top or inside a function,
 both are edges; imports for type checkers only are not) is read from the source, so a circle shows before it
-bites at run time. And the model aliases, whose loaders are named by import path so that a recipe (the
+bites at run time. Nor a circle between packages (a package with all its subpackages is one node), and the layers
+of the rollout path hold: the engines import nothing of the server process, the server nothing of the trainer's side
+or the data module, the shared protocol nothing of either side. No project class inherits a concrete class of
+another project module (a mixin that reaches back into its host): only abstract bases (ABCs with abstract methods,
+Protocols) and exceptions. And the model aliases, whose loaders are named by import path so that a recipe (the
 warm-started demo model) sits above model loading, all resolve."""
 
 import ast
+import importlib
+import inspect
 from pathlib import Path
 
 import pytest
@@ -119,6 +125,118 @@ def test_imports_for_type_checkers_only_are_no_edges():
 def test_lit_grpo_has_no_import_circle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def package_of(module: str) -> str:
+    """The package ``module`` belongs to: ``lit_grpo.<name>`` for everything under a subpackage of lit_grpo (its
+    own subpackages included), ``lit_grpo.callbacks``, or the module itself at the top of lit_grpo."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[0] == "lit_grpo" and (PACKAGES["lit_grpo"] / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return module if len(parts) < 2 or parts[1] != "callbacks" else "lit_grpo.callbacks"
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph with every package folded into one node (edges inside a package dropped)."""
+    folded: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        node = package_of(module)
+        folded.setdefault(node, set()).update(package_of(m) for m in imported if package_of(m) != node)
+    return folded
+
+
+def test_a_circle_through_two_packages_shows_in_the_package_graph():
+    # the lazy re-export of a client that lived in another package, which imported the engines back: no circle of
+    # modules, a circle of packages
+    graph = {"lit_grpo.engines": {"lit_grpo.serve.client"}, "lit_grpo.engines.base": set(),
+             "lit_grpo.serve.client": {"lit_grpo.engines.base"}, "lit_grpo.module": {"lit_grpo.engines.base"}}
+    assert find_cycle(graph) is None
+    assert find_cycle(package_graph(graph)) == ["lit_grpo.engines", "lit_grpo.serve", "lit_grpo.engines"]
+    assert package_of("lit_grpo.engines.remote.client") == "lit_grpo.engines"
+    assert package_of("lit_grpo.callbacks.weight_sync") == "lit_grpo.callbacks"
+
+
+def test_lit_grpo_has_no_import_circle_between_packages():
+    cycle = find_cycle(package_graph(import_graph()))
+    assert cycle is None, "import circle between packages: " + " -> ".join(cycle)
+
+
+#: package -> the packages it must not import (a role must not reach into another's)
+LAYERS = {
+    "lit_grpo.engines": {"lit_grpo.serve", "lit_grpo.data"},  # engines, the trainer's clients included
+    "lit_grpo.serve": {"lit_grpo.data", "lit_grpo.callbacks"},  # the server process: not the trainer's side
+    "lit_grpo.wire": {"lit_grpo.engines", "lit_grpo.serve", "lit_grpo.data"},  # shared by both sides
+}
+
+
+def test_the_rollout_roles_import_only_what_they_may():
+    graph = import_graph()
+    crossings = sorted(f"{module} -> {imported}" for module, edges in graph.items() for imported in edges
+                       if package_of(imported) in LAYERS.get(package_of(module), ()))
+    assert crossings == [], "a role imports another's: " + ", ".join(crossings)
+    server_modules = {m for m in graph if package_of(m) == "lit_grpo.serve"}
+    assert {"lit_grpo.engines.remote.client", "lit_grpo.engines.remote.weight_push"}.isdisjoint(
+        set().union(*(graph[m] for m in server_modules)))
+
+
+#: concrete classes of another module that a project class may still extend, in code outside the rollout path
+#: (each pair must still exist: a fixed one leaves the list)
+KNOWN_CONCRETE_BASES = {
+    ("lit_grpo.cli.GRPOCLI", "lit_grpo.cli_errors.OneLineErrorsCLI"),
+    ("lit_grpo.math.rec.ClipOptions", "lit_grpo.math.objective.ClipBand"),
+    ("lit_grpo.math.rec.TauOptions", "lit_grpo.math.objective.LossConfig"),
+    ("lit_grpo.math.rec.REDWeightOptions", "lit_grpo.math.objective.LossConfig"),
+}
+
+
+def allowed_base(base: type) -> bool:
+    """An abstract base that declares what it needs (a Protocol, or an ABC with abstract methods), or an
+    exception."""
+    return issubclass(base, BaseException) or bool(getattr(base, "_is_protocol", False)) or inspect.isabstract(base)
+
+
+def concrete_bases_from_elsewhere(classes: list[type]) -> set[tuple[str, str]]:
+    """``(class, base)`` for every base of a class that is a concrete class of another project module."""
+    found = set()
+    for cls in classes:
+        for base in cls.__bases__:
+            project = base.__module__.split(".")[0] == "lit_grpo"
+            if project and base.__module__ != cls.__module__ and not allowed_base(base):
+                found.add((f"{cls.__module__}.{cls.__qualname__}", f"{base.__module__}.{base.__qualname__}"))
+    return found
+
+
+def project_classes() -> list[type]:
+    """Every class defined at the top of a lit_grpo module."""
+    classes = []
+    for name in sorted(module_files()):
+        module = importlib.import_module(name)
+        classes += [obj for obj in vars(module).values() if inspect.isclass(obj) and obj.__module__ == name]
+    return classes
+
+
+def test_the_inheritance_check_sees_a_mixin_and_lets_abstract_bases_and_exceptions_pass():
+    from abc import ABC, abstractmethod
+    from typing import Protocol
+
+    def made(name: str, bases: tuple, module: str, **members) -> type:  # noqa: ANN003
+        return type(name, bases, {"__module__": module, **members})
+
+    mixin = made("AsyncRollouts", (), "lit_grpo.data.async_rollouts")
+    contract = made("Contract", (ABC,), "lit_grpo.a", run=abstractmethod(lambda self: None))
+    protocol = made("Shape", (Protocol,), "lit_grpo.a")
+    error = made("Failure", (RuntimeError,), "lit_grpo.a")
+    classes = [made("RolloutDataModule", (mixin,), "lit_grpo.data.datamodule"),
+               made("Engine", (contract, protocol), "lit_grpo.b", run=lambda self: None),
+               made("Worse", (error,), "lit_grpo.b"), made("Local", (mixin,), "lit_grpo.data.async_rollouts")]
+    assert concrete_bases_from_elsewhere(classes) == {
+        ("lit_grpo.data.datamodule.RolloutDataModule", "lit_grpo.data.async_rollouts.AsyncRollouts")}
+
+
+def test_no_project_class_extends_a_concrete_class_of_another_module():
+    found = concrete_bases_from_elsewhere(project_classes())
+    assert found - KNOWN_CONCRETE_BASES == set(), "mixins: own the other class's object instead"
+    assert KNOWN_CONCRETE_BASES - found == set(), "no longer there: take them off KNOWN_CONCRETE_BASES"
 
 
 @pytest.mark.parametrize("alias", models.ALIASES)

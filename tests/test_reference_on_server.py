@@ -14,17 +14,17 @@ import pytest
 import torch
 from server_process import ServerProcess
 
-from lit_grpo.data.async_rollouts import AsyncRollouts
 from lit_grpo.data.datamodule import RolloutDataModule
+from lit_grpo.data.producer import RolloutProducer
 from lit_grpo.data.rollout import pad_rollouts
-from lit_grpo.engines.base import Completion
+from lit_grpo.data.server_reference import ServerReference
+from lit_grpo.engines.base import Completion, ReferenceServing
+from lit_grpo.engines.remote.client import Rollouts, ServerEngine
 from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
 from lit_grpo.scoring import completion_logprobs
-from lit_grpo.serving.client import Rollouts, ServerEngine
-from lit_grpo.serving.producer import RolloutProducer
-from lit_grpo.serving.protocol import ServerError
-from lit_grpo.serving.reference_routes import MICRO_BATCH_FIELDS
-from lit_grpo.serving.weight_transfer import checksum
+from lit_grpo.serve.reference_routes import MICRO_BATCH_FIELDS
+from lit_grpo.wire.protocol import ServerError
+from lit_grpo.wire.weight_transfer import checksum
 
 #: the module's server takes bodies up to this size (16 MiB by default): a batch whose scoring request as one body
 #: would be larger must still be scored, one micro-batch per request
@@ -77,8 +77,8 @@ def rollout_groups(num_prompts: int = 2, n: int = 3, spread: int = 5, stride: in
 
 def rollout_layout(micro_batch_size: int = 3, **shape):
     """``rollout_groups`` as the data module pads them, and its micro-batches."""
-    padded = pad_rollouts(*rollout_groups(**shape), pad_token_id=0)
-    return padded, list(padded.micro_batches(micro_batch_size))
+    padded = pad_rollouts(*rollout_groups(**shape), pad_token_id=0, micro_batch_size=micro_batch_size)
+    return padded, list(padded.micro_batches())
 
 
 def scaled_copy(model, factor: float = 1.1):
@@ -158,7 +158,7 @@ def test_a_batch_larger_than_the_body_limit_is_scored_one_micro_batch_per_reques
 
 
 def test_a_pi_ref_push_waits_for_a_scoring_job_past_its_version_check(server, tiny):
-    """The asynchronous producer's job checks that a pi_ref was pushed (``with_reference``), then reads its
+    """The asynchronous producer's job checks that a pi_ref was pushed (``ServerReference``), then reads its
     label (``score_reference``). A push of the next pi_ref that begins between the two must neither clear the
     label under the job nor change the server's copy: it drains the producer first. The interleaving is forced:
     the job is held after its check until the push has begun."""
@@ -175,11 +175,10 @@ def test_a_pi_ref_push_waits_for_a_scoring_job_past_its_version_check(server, ti
         return score(*args, **kwargs)
 
     engine.score_reference = held_score
-    data = SimpleNamespace(scores_reference=True, rollout_engine=engine, tokenizer=tokenizer, micro_batch_size=3,
-                           reference_temperature=1.0, reference_autocast=None)
+    server_reference = ServerReference(engine, tokenizer.pad_token_id, micro_batch_size=3, temperature=1.0)
     producer = RolloutProducer()
     try:
-        producer.submit(0, lambda: AsyncRollouts.with_reference(data, prompts, Rollouts(groups)))
+        producer.submit(0, lambda: server_reference(prompts, Rollouts(groups)))
         assert checked.wait(60)
         # the push's first act lets the held job go on; then it drains the producer, as the data module's hook does
         engine.before_push.extend([resume.set, producer.drain])
@@ -190,9 +189,9 @@ def test_a_pi_ref_push_waits_for_a_scoring_job_past_its_version_check(server, ti
         producer.close()
     assert error is None and rollouts.error is None, rollouts.error
     assert rollouts.reference[1] == "10"  # scored with the pi_ref the job was handed, before the swap
-    padded = pad_rollouts(prompts, groups, pad_token_id=0)
+    padded = pad_rollouts(prompts, groups, pad_token_id=0, micro_batch_size=3)
     with torch.no_grad():
-        for mb in padded.micro_batches(3):
+        for mb in padded.micro_batches():
             expected, _ = completion_logprobs(model, mb, 1.0)
             assert torch.allclose(mb.take(rollouts.reference[0]), expected, atol=1e-5, rtol=0)
     assert engine.reference_version == "11"
@@ -210,7 +209,7 @@ def test_a_failed_pi_ref_push_clears_the_label(server, tiny, monkeypatch):
     def fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise ServerError("the push failed")
 
-    monkeypatch.setattr(engine, "_load", fail)
+    monkeypatch.setattr(engine.pusher, "push", fail)
     with pytest.raises(ServerError, match="the push failed"):
         engine.load_reference(model.named_parameters(), "21")
     assert engine.reference_version is None
@@ -264,7 +263,7 @@ def test_reference_on_server_needs_the_projects_server():
         RolloutDataModule(reference_on_server="yes")
 
 
-class RecordingEngine:
+class RecordingEngine(ReferenceServing):
     """The part of ``ServerEngine`` that ``WeightSync`` uses for pi_ref: records what it was asked to push."""
 
     def __init__(self, serves_reference: bool = True) -> None:
@@ -278,7 +277,6 @@ class RecordingEngine:
 
 
 def test_weight_sync_pushes_pi_ref_when_the_module_swapped_it():
-    from types import SimpleNamespace
 
     from lit_grpo.callbacks import RefModelSwap, WeightSync
 

@@ -1,4 +1,4 @@
-"""The rollout server (``lit_grpo.serving.server``) and its client ``ServerEngine``, with real processes on 127.0.0.1:
+"""The rollout server (``lit_grpo.serve.server``) and its client ``ServerEngine``, with real processes on 127.0.0.1:
 two servers of the tiny model for the module, a sending process killed in the middle of a transfer, and the
 second server stopped and killed at the end."""
 
@@ -17,11 +17,11 @@ import torch
 from server_process import ROOT, ServerProcess
 
 from lit_grpo.engines.base import SamplingConfig
+from lit_grpo.engines.remote.client import CHUNK_SEED_STRIDE, SEED_MODULUS, ServerEngine
 from lit_grpo.engines.transformers_engine import TransformersEngine
 from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
-from lit_grpo.serving.client import CHUNK_SEED_STRIDE, SEED_MODULUS, ServerEngine
-from lit_grpo.serving.protocol import ServerError
-from lit_grpo.serving.weight_transfer import checksum
+from lit_grpo.wire.protocol import ServerError
+from lit_grpo.wire.weight_transfer import checksum
 
 LIMITS = ("--max-prompts", "4", "--max-n", "8", "--max-tokens", "64", "--max-body-bytes", "100000")
 SAMPLING = SamplingConfig(max_new_tokens=10, temperature=0.9)
@@ -226,7 +226,7 @@ def test_two_servers_share_the_prompts_and_both_get_the_weights(servers, tiny, o
 
 def test_server_refuses_to_start_without_a_token(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "LIT_GRPO_SERVER_TOKEN"}
-    command = [sys.executable, "-m", "lit_grpo.serving.server", "--model", "tiny-random-llama", "--port", "0"]
+    command = [sys.executable, "-m", "lit_grpo.serve.server", "--model", "tiny-random-llama", "--port", "0"]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no token" in done.stderr and "listening" not in done.stdout
     (tmp_path / "short").write_text("abc\n")

@@ -9,8 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from lit_grpo.engines.base import SamplingConfig
-from lit_grpo.serving.client import Rollouts, ServerEngine
-from lit_grpo.serving.protocol import HTTPClient, ServerError
+from lit_grpo.engines.remote.client import Rollouts, ServerEngine
+from lit_grpo.wire.protocol import HTTPClient, ServerError
 
 URL = "http://10.1.2.3:8765"
 SAMPLING = SamplingConfig(max_new_tokens=4)

@@ -22,12 +22,12 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from lit_grpo.data.producer import RolloutProducer
 from lit_grpo.engines.base import SamplingConfig
+from lit_grpo.engines.remote.client import ServerEngine
 from lit_grpo.engines.vllm_engine import prompt_seed
 from lit_grpo.models import tiny_llama
-from lit_grpo.serving.client import ServerEngine
-from lit_grpo.serving.producer import RolloutProducer
-from lit_grpo.serving.protocol import ServerError
+from lit_grpo.wire.protocol import ServerError
 
 
 # ---- fake vllm.distributed.weight_transfer -----------------------------------------------------------

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from lit_grpo.data.rollout import collate_rollouts
+from lit_grpo.data.rollout import collate_rollouts, pad_rollouts
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.static_decoding import cut_at_eos, padded_width
 from lit_grpo.engines.transformers_engine import TransformersEngine
@@ -34,8 +34,7 @@ def test_reported_logprobs_equal_teacher_forced_scoring(tiny):
     model, tokenizer, prompts = tiny
     groups = engine(tiny, "static").generate(prompts, 4, SamplingConfig(max_new_tokens=12, temperature=0.8), seed=3)
     assert any(c.truncated for g in groups for c in g) or any(not c.truncated for g in groups for c in g)
-    batch = collate_rollouts(prompts, groups, [0.0, 1.0, 0.5, 0.0] * 3, tokenizer.pad_token_id, 5, 1e-4, True,
-                             torch.device("cpu"))
+    batch = collate_rollouts(pad_rollouts(prompts, groups, tokenizer.pad_token_id, 5), [0.0, 1.0, 0.5, 0.0] * 3)
     reported = batch.sampler_logp
     with torch.no_grad():
         for mb in batch.micro_batches():

@@ -19,11 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lit_grpo.distributed import plan_buckets, shard_rows
-from lit_grpo.serving import weight_push, weight_transfer
-from lit_grpo.serving.client import ServerEngine
-from lit_grpo.serving.protocol import HTTPClient, ServerError
-from lit_grpo.serving.weight_transfer import NCCL_GROUP_ENV, buckets, open_group, pack, packed_view, transport_device
+from lit_grpo.engines.remote import weight_push
+from lit_grpo.engines.remote.client import ServerEngine
+from lit_grpo.engines.remote.weight_gather import plan_buckets, shard_rows
+from lit_grpo.wire import weight_transfer
+from lit_grpo.wire.protocol import HTTPClient, ServerError
+from lit_grpo.wire.weight_transfer import NCCL_GROUP_ENV, buckets, open_group, pack, packed_view, transport_device
 
 URL = "http://10.1.2.3:8765"
 #: what ProcessGroupNCCL's wait raises when a broadcast outlives the group's timeout
@@ -50,13 +51,15 @@ def test_transport_device_is_the_given_cuda_device_not_the_current_one(fake_cuda
 
 
 def test_server_receives_on_its_own_device(fake_cuda):
-    from lit_grpo.serving.server import RolloutServer
+    from types import SimpleNamespace
 
-    server = object.__new__(RolloutServer)  # only the transfer settings matter here
-    server.backend, server.device = "nccl", torch.device("cuda", 1)
-    assert server.transfer_device() == torch.device("cuda", 1)
-    server.backend = "gloo"
-    assert server.transfer_device() == torch.device("cpu")
+    from lit_grpo.serve.weight_receive import WeightReceiver
+
+    receiver = WeightReceiver(SimpleNamespace(device=torch.device("cuda", 1)), None, "m")  # only the device matters
+    receiver.backend = "nccl"
+    assert receiver.transfer_device() == torch.device("cuda", 1)
+    receiver.backend = "gloo"
+    assert receiver.transfer_device() == torch.device("cpu")
 
 
 class FakeNCCLGroup:
@@ -147,23 +150,24 @@ def test_a_failed_nccl_wait_is_a_server_error_naming_the_url(answering):
 
 def test_server_maps_a_failed_receive_to_a_500_and_keeps_its_weights():
     from lit_grpo.models import load_model_and_tokenizer
-    from lit_grpo.serving.protocol import HTTPFailure
-    from lit_grpo.serving.server import RolloutServer
+    from lit_grpo.serve.server import RolloutServer
+    from lit_grpo.wire.protocol import HTTPFailure
 
     model, tokenizer = load_model_and_tokenizer("tiny-random-llama")
     server = RolloutServer(model, tokenizer, "tiny-random-llama", "t" * 32)
+    receiver = server.receiver
     before = {name: p.clone() for name, p in model.named_parameters()}
     work = Work(dist.DistBackendError(NCCL_TIMEOUT))
-    server.group, server.transfer_timeout_s, server.weight_version = Group(work), 11.0, "4"
-    server.start_weight_update({}, {})
+    receiver.group, receiver.transfer_timeout_s, server.policy.weight_version = Group(work), 11.0, "4"
+    receiver.start_weight_update({}, {})
     name, param = next(iter(model.named_parameters()))
     update = {"update_info": {"names": [name], "dtype_names": ["float32"], "shapes": [list(param.shape)]}}
     with pytest.raises(HTTPFailure) as caught:
-        server.update_weights(update, {})
+        receiver.update_weights(update, {})
     assert caught.value.status == 500 and "timing out" in caught.value.message
     assert "weight version stays '4'" in caught.value.message
     assert work.timeouts == [datetime.timedelta(seconds=11)]
-    assert server.group is None and server.staging is None
+    assert receiver.group is None and receiver.staging is None
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 

@@ -1,5 +1,5 @@
 """``ServerEngine(kind="vllm")`` against a real ``vllm serve`` process on the CPU build of vLLM, with the weight push
-over this package's gloo backend (a vLLM plugin, ``lit_grpo.serving.vllm_gloo``): generation, pause and resume,
+over this package's gloo backend (a vLLM plugin, ``lit_grpo.wire.vllm_gloo``): generation, pause and resume,
 the weight versions, pushes checked by vLLM's own ``/weight_checker`` digests and by the sampled distribution, and
 an asynchronous K = 1 fit.
 
@@ -42,7 +42,7 @@ def served(tmp_path_factory):
 
 
 def client(server: VLLMServe, model):  # noqa: ANN001, ANN201
-    from lit_grpo.serving.client import ServerEngine
+    from lit_grpo.engines.remote.client import ServerEngine
 
     return ServerEngine(url=server.url, kind="vllm", backend="gloo", dtype="float32", policy=model, timeout_s=120)
 

@@ -3,7 +3,7 @@ tracked modules (``callbacks/`` as ``lit_grpo.callbacks``) and its data assets, 
 imports every module, answers ``serve --help``, and serves and trains asynchronously on its own.
 
 The rest of the suite runs against the editable install, whose import hook serves any module from the source tree,
-so a module the wheel leaves out (``lit_grpo.serving`` once was) goes unnoticed there. Here the expected files come
+so a module the wheel leaves out (a whole subpackage once was) goes unnoticed there. Here the expected files come
 from ``git ls-files``, not from a list, so a module added or moved later is expected without an edit."""
 
 from __future__ import annotations

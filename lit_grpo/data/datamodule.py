@@ -3,18 +3,20 @@
 The loader yields only prompt indices; completions are generated in ``on_after_batch_transfer``, which Lightning
 calls right before ``training_step``. Lightning fetches one batch ahead of the step it trains on, so
 generating inside the dataset's ``__iter__`` would sample batch k+1 before the weight sync that follows step k;
-generating here guarantees that each batch comes from the engine weights of the step just finished. With
-``max_staleness`` >= 1 the batches come from a background producer instead (``AsyncRollouts``,
-``lit_grpo.data.async_rollouts``).
+generating here guarantees that each batch comes from the engine weights of the step just finished. Every batch is
+taken from ``AsyncRollouts`` (``lit_grpo.data.async_rollouts``), which with ``max_staleness`` >= 1 has a background
+producer request it ahead of the trainer, and at ``max_staleness`` = 0 requests it on the training thread when it is
+taken: one way for a batch, whatever K.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import lightning as L
@@ -22,21 +24,32 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_grpo.batch import RolloutBatch
-from lit_grpo.data.async_rollouts import AsyncRollouts
+from lit_grpo.data.async_rollouts import AsyncRollouts, Requested
 from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
 from lit_grpo.data.rewards import RewardRunner
-from lit_grpo.data.rollout import collate_rollouts, rollout_seed, rollout_stats
+from lit_grpo.data.rollout import BatchOrigin, PaddedRollouts, collate_rollouts, pad_rollouts, rollout_seed
+from lit_grpo.data.server_reference import ServerReference
 from lit_grpo.data.staleness import (
     check_reference_on_server,
     check_staleness_setup,
+    staleness_stats,
     weight_version_of,
 )
 from lit_grpo.distributed import rank_slice
-from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
+from lit_grpo.engines.base import (
+    Completion,
+    ReferenceServing,
+    RemoteEngine,
+    RolloutEngine,
+    Rollouts,
+    SamplingConfig,
+)
+from lit_grpo.engines.options import ENGINE_OPTIONS, ServerOptions, TransformersOptions, VLLMOptions
+from lit_grpo.engines.options import engine_options as engine_options_of
 from lit_grpo.models import eos_token_ids
+from lit_grpo.option_groups import plain
 
-ENGINES = ("transformers", "vllm", "server")
 #: the autocast dtype of Lightning's mixed precisions (the forward context of ``training_step``)
 MIXED_AUTOCAST = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
 
@@ -73,7 +86,7 @@ class PromptStream(IterableDataset):
             yield owner.prompt_batch(index)
 
 
-class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
+class RolloutDataModule(L.LightningDataModule):
     """Prompts from GSM8K, G completions each from the rollout engine, rewards and group advantages.
 
     Args:
@@ -88,15 +101,17 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
             ``package.module:function``; ``reward_weights`` weigh them (default 1 each).
         scale_rewards: divide by the group std (eq. 2); ``False`` centres only (Dr.GRPO).
         engine: ``"transformers"`` (in-process copy of the policy), ``"vllm"`` (colocated vLLM) or ``"server"``
-            (rollout servers over HTTP, ``ServerEngine``: ``engine_options: {url: ...}``); ``engine_options`` go to
-            its constructor.
+            (rollout servers over HTTP, ``ServerEngine``: ``engine_options: {url: ...}``).
+        engine_options: the engine's options: a mapping checked against the group of ``engine`` (or that group),
+            ``TransformersOptions``, ``VLLMOptions`` or ``ServerOptions`` (``lit_grpo.engines.options``);
+            ``--data.engine_options.help ServerOptions`` lists a group's options.
         max_prompts: use only the first N rows after a seeded shuffle (quick runs).
         reuse_policy_logprobs: when the engine holds exactly the policy's current weights (synced at this
             optimizer step), alpha = pi_k, so alpha's log-probs are the policy's own first-iteration log-probs
             and the engine's scoring pass is skipped (same losses to float rounding; tested).
         max_staleness: K. 0: each batch is generated when the trainer needs it (synchronous). K >= 1
             (``engine: server`` only): asynchronous off-policy GRPO: while the trainer updates on batch b, the
-            server generates batches up to b + K on a background thread (``lit_grpo.serving.producer``), so a
+            server generates batches up to b + K on a background thread (``lit_grpo.data.producer``), so a
             batch is sampled with weights at most K rollout batches older than its synchronous schedule:
             staleness (optimizer step - weight version) <= (K + v - 1) i, which is K at v = i = 1. A batch never
             gets older than that: the producer waits for the trainer instead of running further ahead
@@ -104,7 +119,7 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
             mixes two versions and a run is reproducible; checkpoints keep the batches generated but not yet
             trained on, so a resumed run continues exactly.
         reference_on_server: the project's rollout server (``engine: server``, kind ``lit_grpo``) also computes
-            pi_ref's log-probs of each batch right after sampling it (``lit_grpo.serving.reference_routes``); the
+            pi_ref's log-probs of each batch right after sampling it (``lit_grpo.serve.reference_routes``); the
             trainer then skips its reference pass, a quarter of the update's FLOPs. With ``max_staleness >= 1``
             that pass runs on the server while the trainer updates on the batch before. ``WeightSync`` pushes pi_ref
             to the server at the start and after each ``RefModelSwap``; a batch scored with an older pi_ref (or none)
@@ -130,7 +145,7 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
         scale_rewards: bool = True,
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         engine: str = "transformers",
-        engine_options: dict[str, Any] | None = None,
+        engine_options: dict[str, Any] | TransformersOptions | VLLMOptions | ServerOptions | None = None,
         max_prompts: int | None = None,
         reuse_policy_logprobs: bool = True,
         max_staleness: int = 0,
@@ -139,21 +154,23 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
     ) -> None:
         super().__init__()
         check_staleness_setup(max_staleness, engine)
-        check_reference_on_server(reference_on_server, engine, engine_options)
+        if engine not in ENGINE_OPTIONS:
+            raise ValueError(f"unknown engine {engine!r}; expected one of {tuple(ENGINE_OPTIONS)}")
+        options = engine_options_of(engine, engine_options)
+        server_kind = options.kind if isinstance(options, ServerOptions) else None
+        check_reference_on_server(reference_on_server, engine, server_kind)
         if num_generations < 2:
             raise ValueError(f"num_generations (G) must be >= 2 to form a group advantage, got {num_generations}")
         if prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        if engine not in ENGINES:
-            raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
         if advantage_eps <= 0:
             raise ValueError(f"advantage_eps must be > 0 (inside the square root of eq. 2), got {advantage_eps}")
         if max_prompts is not None and max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1 or None, got {max_prompts}")
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-        if engine == "vllm" or (engine == "server" and (engine_options or {}).get("kind") == "vllm"):
+        if engine == "vllm" or server_kind == "vllm":
             from lit_grpo.engines.vllm_engine import check_vllm_temperature, check_vllm_top_p  # imports no vllm
 
             check_vllm_temperature(temperature)
@@ -177,7 +194,7 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
         self.scale_rewards = scale_rewards
         self.system_prompt = system_prompt
         self.engine_kind = engine
-        self.engine_options = dict(engine_options or {})
+        self.engine_options = options
         self.reuse_policy_logprobs = reuse_policy_logprobs
         self.seed = seed
         self.consumed = 0
@@ -185,19 +202,23 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
         self.tokenizer = None
         self._prompt_cache: dict[int, list[int]] = {}
         self._epoch_orders: dict[int, list[int]] = {}
-        self.max_staleness = max_staleness
+        #: the batches of this rank, requested ``max_staleness`` ahead of the trainer (none ahead at K = 0)
+        self.async_rollouts = AsyncRollouts(max_staleness, self.rollout_job)
         self.reference_on_server = reference_on_server
         self.scores_reference = False  # set in setup: the server scores pi_ref and the module has a KL term
-        self.producer = None  # RolloutProducer, made at the first asynchronous batch
-        #: generated batches restored from a checkpoint, not yet trained on: batch index -> (groups, seconds)
-        self.restored: dict[int, tuple[list[list[Completion]], float]] = {}
-        self.producer_waits = 0
+        #: how pi_ref's log-probs are asked of the server, when it scores them (set in setup)
+        self.server_reference: ServerReference | None = None
         self.reward_errors = 0
         self.reward_timeouts = 0
-        if engine == "server":  # a server that is down, or a wrong token: one line now, before any model loads
-            from lit_grpo.serving.client import check_servers
+        if isinstance(options, ServerOptions):  # a server that is down, or a wrong token: one line now, before any
+            from lit_grpo.engines.remote.client import check_servers  # model loads
 
-            check_servers(self.engine_options)
+            check_servers(options)
+
+    @property
+    def max_staleness(self) -> int:
+        """K: how many batches are requested ahead of the one the trainer takes."""
+        return self.async_rollouts.max_staleness
 
     # ---- prompt order -------------------------------------------------------------------------------
     def rank_and_world(self) -> tuple[int, int]:
@@ -237,29 +258,40 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
                 raise TypeError(f"RolloutDataModule needs the LightningModule to expose `{attr}`")
         self.tokenizer = module.tokenizer
         check_staleness_setup(self.max_staleness, self.engine_kind, self.trainer.callbacks)
-        self.rollout_engine = self.build_engine(module)
+        # the server scores pi_ref only when the module has a KL term to use it in
         self.scores_reference = self.reference_on_server and bool(getattr(module, "uses_reference", False))
-        if self.scores_reference:
-            self.rollout_engine.serves_reference = True  # WeightSync pushes pi_ref to it
+        engine = self.rollout_engine = self.build_engine(module)
+        if self.scores_reference and isinstance(engine, ReferenceServing):
             # pi_ref's log-probs at the loss's temperature (the CLI links it to data.temperature), and in the
             # precision of the module's own pass (autocast under a mixed precision), so that KL(pi || pi_ref) is
             # still exactly 0 right after a RefModelSwap
-            self.reference_temperature = float(module.hparams.get("temperature", self.sampling.temperature))
-            self.reference_autocast = MIXED_AUTOCAST.get(str(self.trainer.precision))
+            self.server_reference = ServerReference(
+                engine, self.tokenizer.pad_token_id, self.micro_batch_size,
+                float(module.hparams.get("temperature", self.sampling.temperature)),
+                MIXED_AUTOCAST.get(str(self.trainer.precision)))
+        if self.max_staleness and isinstance(engine, RemoteEngine):
+            # every weight push first waits for the batches already requested (on every rank, then a barrier in
+            # the push): no batch handed over under the old weights is sampled with the new ones
+            engine.before_push.append(self.async_rollouts.drain)
 
     def build_engine(self, module: L.LightningModule) -> RolloutEngine:
         eos = eos_token_ids(self.tokenizer, module.policy)
-        if self.engine_kind == "transformers":
+        options = self.engine_options
+        if isinstance(options, TransformersOptions):
             from lit_grpo.engines.transformers_engine import TransformersEngine
 
-            return TransformersEngine(module.policy, eos, self.tokenizer.pad_token_id, **self.engine_options)
-        if self.engine_kind == "server":  # rollout servers over HTTP; the trainer's EOS ids stop them too
-            from lit_grpo.serving.client import ServerEngine
+            return TransformersEngine(module.policy, eos, self.tokenizer.pad_token_id, **plain(options))
+        if isinstance(options, ServerOptions):  # rollout servers over HTTP; the trainer's EOS ids stop them too
+            from lit_grpo.engines.remote.client import ServerEngine
 
-            return ServerEngine(**{"stop_token_ids": eos, "policy": lambda: module.policy, **self.engine_options})
+            stops = eos if options.stop_token_ids is None else options.stop_token_ids
+            return ServerEngine(policy=lambda: module.policy, serves_reference=self.scores_reference,
+                                **{**plain(options), "stop_token_ids": stops})  # WeightSync pushes pi_ref to it
         from lit_grpo.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(module.hparams.model_name, tokenizer=self.tokenizer, **self.engine_options)
+        vllm_options = plain(options)
+        return VLLMEngine(module.hparams.model_name, tokenizer=self.tokenizer, **vllm_options.pop("llm_kwargs"),
+                          **vllm_options)
 
     def train_dataloader(self) -> DataLoader:
         # batch_size=None: the stream already yields whole batches; num_workers=0: generation needs the
@@ -269,28 +301,23 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, PromptBatch):
-            return self.rollout(batch) if self.max_staleness == 0 else self.take_async(batch)
+            return self.rollout_batch(batch)
         return batch
 
     def teardown(self, stage: str) -> None:
         """At the end of a fit, the batches generated ahead are kept (a checkpoint saved after ``fit`` holds them,
         and a further ``fit`` trains on them), then the producer stops."""
-        if self.producer is not None:
-            self.producer.drain()
-            for index, (result, error) in self.producer.finished().items():
-                if error is None and result[0].error is None:
-                    self.restored[index] = (result[0].groups, result[1])
-            self.stop_producer()
+        self.async_rollouts.keep_generated()
 
     def on_exception(self, exception: BaseException) -> None:
-        self.stop_producer()  # no waiting: a request running now ends on its daemon thread, within its timeout
+        self.async_rollouts.stop()  # no waiting: a request running now ends on its daemon thread, within its timeout
 
     def state_dict(self) -> dict[str, Any]:
         state = {"consumed": self.consumed, "seed": self.seed, "reward_errors": self.reward_errors,
                  "reward_timeouts": self.reward_timeouts}
         if self.max_staleness:
-            state["in_flight"] = self.in_flight_state()
-            state["producer_waits"] = self.producer_waits
+            state["in_flight"] = self.async_rollouts.state(self.rank_and_world()[1])
+            state["producer_waits"] = self.async_rollouts.producer_waits
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -299,18 +326,16 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
         self.reward_timeouts = int(state_dict.get("reward_timeouts", 0))
         if int(state_dict["seed"]) != self.seed:
             raise ValueError(f"checkpoint was written with data seed {state_dict['seed']}, this run uses {self.seed}")
-        self.producer_waits = int(state_dict.get("producer_waits", 0))
+        self.async_rollouts.producer_waits = int(state_dict.get("producer_waits", 0))
         # the batches generated ahead are the checkpoint's or none: ones kept from an earlier fit or state were
         # sampled by weights this state's run never trained with (a K = 0 checkpoint stores none, and one from
         # another world size is regenerated)
-        self.restored = {}
         in_flight = state_dict.get("in_flight")
-        if in_flight and self.max_staleness:
-            self.restore_in_flight(in_flight)
-        elif in_flight:
+        if in_flight and not self.max_staleness:
             warnings.warn("the checkpoint holds rollout batches generated ahead (max_staleness >= 1); this run is "
                           "synchronous (max_staleness: 0) and regenerates them, so it is not an exact continuation",
                           stacklevel=2)
+        self.async_rollouts.restore(in_flight if self.max_staleness else None, *self.rank_and_world())
 
     # ---- rollouts -----------------------------------------------------------------------------------
     def precision_context(self) -> AbstractContextManager:
@@ -328,73 +353,86 @@ class RolloutDataModule(AsyncRollouts, L.LightningDataModule):
             self._prompt_cache[row] = prompt_ids(self.tokenizer, self.rows[row]["question"], self.system_prompt)
         return self._prompt_cache[row]
 
-    def alpha_logprobs(self, batch: RolloutBatch, sampled_step: int) -> torch.Tensor | None:
+    def module_device(self) -> torch.device:
+        """The trainer's device (the CPU outside a trainer): where a batch is built."""
+        return self.trainer.lightning_module.device if self.trainer is not None else torch.device("cpu")
+
+    def alpha_logprobs(self, padded: PaddedRollouts, sampled_step: int) -> torch.Tensor | None:
         """Log-probs of the completions under the weights that sampled them (version ``sampled_step``); ``None``
         means "alpha is pi_k": those are the policy's current weights, so the trainer's first forward gives
         them exactly."""
         engine = self.rollout_engine
         current_step = self.trainer.global_step if self.trainer is not None else None
-        rescores = getattr(engine, "rescore", False)
-        if self.reuse_policy_logprobs and rescores and sampled_step == current_step:
+        if self.reuse_policy_logprobs and engine.rescore and sampled_step == current_step:
             return None
         if sampled_step != engine.synced_step:
-            return batch.sampler_logp  # sampled before the last push: only the sampler knew those weights
-        alpha = engine.score(batch, self.sampling.temperature)
-        return alpha if alpha is not None else batch.sampler_logp
+            return padded.sampler_logp  # sampled before the last push: only the sampler knew those weights
+        alpha = engine.score(padded, self.sampling.temperature)
+        return alpha if alpha is not None else padded.sampler_logp
 
-    def rollout(self, prompt_batch: PromptBatch) -> RolloutBatch:
-        """Sample G completions per prompt with the engine's current weights, score them and assemble the batch."""
+    def rollout_job(self, index: int) -> Callable[[], Requested]:
+        """The request for rollout batch ``index`` of this rank, as ``AsyncRollouts`` hands it over."""
+        prompt_batch = self.prompt_batch(index)
+        prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
+        return partial(self.request, prompts, rollout_seed(self.seed, index, prompt_batch.rank))
+
+    def request(self, prompts: list[list[int]], seed: int) -> Requested:
+        """One rank's G completions per prompt with the engine's current weights, and pi_ref's log-probs of them when
+        the server scores pi_ref; no collective (a remote engine's ranks agree later, in ``rollout_batch``), so it
+        may run on the producer's thread."""
         engine = self.rollout_engine
-        device = self.trainer.lightning_module.device if self.trainer is not None else torch.device("cpu")
-        engine.to(device)
-        prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
         start = time.perf_counter()
-        seed = rollout_seed(self.seed, prompt_batch.batch_index, prompt_batch.rank)
-        if self.scores_reference:  # the server's request, pi_ref's scoring, then the ranks' agreement
-            rollouts = engine.request_rollouts(prompts, self.num_generations, self.sampling, seed=seed)
-            generate_seconds = time.perf_counter() - start
-            rollouts = self.with_reference(prompts, rollouts)
-            groups = engine.check_lockstep(rollouts)
-            return self.assemble(prompt_batch, groups, generate_seconds, sampled_step=engine.synced_step,
-                                 reference=rollouts.reference, reference_seconds=rollouts.reference_seconds)
         with self.precision_context():
-            groups = engine.generate(prompts, self.num_generations, self.sampling, seed=seed)
-        return self.assemble(prompt_batch, groups, time.perf_counter() - start, sampled_step=engine.synced_step)
+            if isinstance(engine, RemoteEngine):
+                rollouts = engine.request_rollouts(prompts, self.num_generations, self.sampling, seed=seed)
+            else:
+                rollouts = Rollouts(engine.generate(prompts, self.num_generations, self.sampling, seed=seed))
+        seconds = time.perf_counter() - start
+        if self.server_reference is not None:
+            rollouts = self.server_reference(prompts, rollouts)
+        return rollouts, seconds
 
-    def assemble(self, prompt_batch: PromptBatch, groups: list[list[Completion]], generate_seconds: float,
-                 sampled_step: int | None, reference: tuple[torch.Tensor, str] | None = None,
-                 reference_seconds: float = 0.0) -> RolloutBatch:
-        """Rewards, eq. 2 advantages, padding and alpha for the completions of one batch. ``sampled_step``: the
-        weight version that sampled them (``None``: read from the completions, which carry it); ``reference``:
-        pi_ref's log-probs from the server, the version of pi_ref they come from, and the server's time for them."""
-        start = time.perf_counter() - generate_seconds - reference_seconds
-        device = self.trainer.lightning_module.device if self.trainer is not None else torch.device("cpu")
+    def rollout_batch(self, prompt_batch: PromptBatch) -> RolloutBatch:
+        """Rollout batch ``prompt_batch``, the same way whatever K: taken from ``AsyncRollouts`` (requested K batches
+        earlier, or now at K = 0), the ranks' agreement that every request succeeded (a remote engine's one
+        collective, on this thread), then rewards, advantages and alpha."""
+        step = self.trainer.global_step if self.trainer is not None else 0
+        engine = self.rollout_engine.to(self.module_device())
+        rollouts, generate_seconds, waited = self.async_rollouts.take(prompt_batch.batch_index)
+        if isinstance(engine, RemoteEngine):
+            groups = engine.check_lockstep(rollouts)  # every rank raises when any rank's request failed
+            sampled_step = min(weight_version_of(c) for g in groups for c in g)  # the versions the server reports
+        else:
+            groups, sampled_step = rollouts.groups, engine.synced_step
+        stats = {}
+        if self.max_staleness:
+            stats = {**staleness_stats(groups, step), "trainer_wait_seconds": waited,
+                     "producer_waits": float(self.async_rollouts.producer_waits)}
+        return self.assemble(prompt_batch, groups, rollouts, sampled_step, generate_seconds, stats)
+
+    def assemble(self, prompt_batch: PromptBatch, groups: list[list[Completion]], rollouts: Rollouts,
+                 sampled_step: int, generate_seconds: float, stats: dict[str, float]) -> RolloutBatch:
+        """The complete batch of one rank's completions: rewards, eq. 2 advantages, padding, alpha (their weight
+        version is ``sampled_step``), pi_ref's log-probs from the server (``rollouts.reference``) and the
+        statistics, ``stats`` last."""
+        start = time.perf_counter() - generate_seconds - rollouts.reference_seconds
         prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
-        if sampled_step is None:
-            sampled_step = min(weight_version_of(c) for g in groups for c in g)
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
         answers = [self.rows[r]["answer"] for r in prompt_batch.rows for _ in range(self.num_generations)]
         scored = self.reward_runner(texts, answers)
         self.reward_errors += scored.errors
         self.reward_timeouts += scored.timeouts
-        batch = collate_rollouts(
-            prompts, groups, scored.rewards, self.tokenizer.pad_token_id, self.micro_batch_size,
-            self.advantage_eps, self.scale_rewards, device,
-        )
+        padded = pad_rollouts(prompts, groups, self.tokenizer.pad_token_id, self.micro_batch_size,
+                              self.module_device())
         with self.precision_context():
-            batch.alpha_logp = self.alpha_logprobs(batch, sampled_step)
-        batch.reference_offloaded = self.scores_reference
-        if reference is not None:
-            batch.reference_logp, batch.reference_version = reference[0].to(device), reference[1]
-        batch.batch_index = prompt_batch.batch_index
-        batch.rollout_step = sampled_step
-        batch.stats = rollout_stats(batch)
-        batch.stats.update(
-            rollout_seconds=time.perf_counter() - start,
-            generate_seconds=generate_seconds,
-            **({"reference_seconds": reference_seconds} if self.scores_reference else {}),
-            reward_errors=float(self.reward_errors),
-            reward_timeouts=float(self.reward_timeouts),
-        )
+            alpha = self.alpha_logprobs(padded, sampled_step)
+        timings = {"rollout_seconds": time.perf_counter() - start, "generate_seconds": generate_seconds,
+                   **({"reference_seconds": rollouts.reference_seconds} if self.scores_reference else {})}
+        origin = BatchOrigin(
+            batch_index=prompt_batch.batch_index, rollout_step=sampled_step, alpha_logp=alpha,
+            reference=rollouts.reference, reference_offloaded=self.scores_reference,
+            stats={**timings, "reward_errors": float(self.reward_errors),
+                   "reward_timeouts": float(self.reward_timeouts), **stats})
+        batch = collate_rollouts(padded, scored.rewards, self.advantage_eps, self.scale_rewards, origin)
         self.consumed = prompt_batch.batch_index + 1
         return batch

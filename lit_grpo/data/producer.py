@@ -1,13 +1,14 @@
-"""`RolloutProducer`: rollout requests run on a background thread while the trainer updates (asynchronous
-off-policy GRPO, ``data.max_staleness`` = K >= 1).
+"""Where the rollout requests of ``AsyncRollouts`` run: ``RolloutProducer``, a background thread, while the trainer
+updates (asynchronous off-policy GRPO, ``data.max_staleness`` = K >= 1), or ``InlineProducer``, the training thread
+itself when the batch is taken (K = 0: synchronous rollouts).
 
 The producer is deliberately small and knows nothing of GRPO: it runs the jobs it is given, one at a time and in
 the order given, on one daemon thread, and keeps their results until the training thread takes them. The jobs do
 HTTP only; every collective (the ranks' lockstep check, the gathers of a weight push) stays on the training thread,
 so no collective can interleave with a transfer in flight.
 
-Which batches may be requested, and when, is the data module's decision (``RolloutDataModule``): batch b + K is
-handed over when the trainer takes batch b, and every weight push first waits for the jobs handed over so far
+Which batches may be requested, and when, is ``AsyncRollouts``' decision (``lit_grpo.data.async_rollouts``): batch
+b + K is handed over when the trainer takes batch b, and every weight push first waits for the jobs handed over so far
 (``drain``). Every batch is therefore sampled with a version fixed by the schedule, not by thread timing: a run is
 reproducible and resumes exactly.
 """
@@ -17,11 +18,67 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 
 class ProducerClosed(RuntimeError):
     """The producer was closed while the training thread waited for one of its jobs."""
+
+
+class Producer(Protocol):
+    """What ``AsyncRollouts`` asks of a producer: keyed jobs submitted, then taken as ``(result, error)``."""
+
+    #: seconds the training thread spent blocked in ``take`` and ``drain``
+    waited_s: float
+
+    def submit(self, key: Any, job: Callable[[], Any]) -> None: ...
+
+    def known(self, key: Any) -> bool: ...
+
+    def idle(self) -> bool: ...
+
+    def take(self, key: Any) -> tuple[Any, BaseException | None]: ...
+
+    def drain(self) -> None: ...
+
+    def finished(self) -> dict[Any, tuple[Any, BaseException | None]]: ...
+
+    def close(self) -> None: ...
+
+
+class InlineProducer:
+    """The producer of synchronous rollouts (K = 0): a job runs on the training thread when it is taken, so a batch
+    is generated when the trainer needs it, with the engine's weights of that moment. An exception the job raises
+    propagates from ``take``, as from a direct call."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[Any, Callable[[], Any]] = {}
+        self.waited_s = 0.0  # nothing runs ahead: the trainer never waits for another thread
+
+    def submit(self, key: Any, job: Callable[[], Any]) -> None:
+        if key in self._jobs:
+            raise ValueError(f"rollout job {key!r} was already submitted")
+        self._jobs[key] = job
+
+    def known(self, key: Any) -> bool:
+        return key in self._jobs
+
+    def idle(self) -> bool:
+        return not self._jobs
+
+    def take(self, key: Any) -> tuple[Any, BaseException | None]:
+        if key not in self._jobs:
+            raise KeyError(f"rollout job {key!r} was never submitted")
+        return self._jobs.pop(key)(), None
+
+    def drain(self) -> None:
+        """Nothing runs before it is taken."""
+
+    def finished(self) -> dict[Any, tuple[Any, BaseException | None]]:
+        return {}
+
+    def close(self) -> None:
+        self._jobs.clear()
 
 
 class RolloutProducer:

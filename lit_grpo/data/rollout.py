@@ -1,15 +1,14 @@
-"""Assembling sampled completions and their rewards into a padded `RolloutBatch` with advantages."""
+"""Sampled completions and their rewards as a padded `RolloutBatch` with advantages, built in one go."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from lit_grpo.batch import MicroBatch, RolloutBatch, micro_batch_views
+from lit_grpo.batch import MicroBatch, RolloutBatch, left_pad, micro_batch_views
 from lit_grpo.engines.base import Completion
-from lit_grpo.engines.transformers_engine import left_pad
 from lit_grpo.math.advantages import group_advantages, zero_variance_mask
 
 
@@ -21,7 +20,8 @@ def rollout_seed(seed: int, batch_index: int, rank: int) -> int:
 
 @dataclass
 class PaddedRollouts:
-    """Completions in the ``RolloutBatch`` layout: each prompt once, left-padded; completions right-padded."""
+    """Completions in the ``RolloutBatch`` layout: each prompt once, left-padded; completions right-padded; cut into
+    the trainer's micro-batches (what an engine's ``score`` and the server's pi_ref scoring run over)."""
 
     prompt_ids: torch.Tensor  # [num_prompts, P]
     prompt_mask: torch.Tensor
@@ -29,13 +29,16 @@ class PaddedRollouts:
     completion_ids: torch.Tensor  # [S, C]
     completion_mask: torch.Tensor
     sampler_logp: torch.Tensor  # [S, C] float32
+    truncated: torch.Tensor  # [S] bool
+    group_size: int
+    micro_batch_size: int
 
-    def micro_batches(self, micro_batch_size: int) -> Iterator[MicroBatch]:
+    def micro_batches(self) -> Iterator[MicroBatch]:
         return micro_batch_views(self.prompt_ids, self.prompt_mask, self.group_index, self.completion_ids,
-                                 self.completion_mask, micro_batch_size)
+                                 self.completion_mask, self.micro_batch_size)
 
 
-def pad_rollouts(prompts: list[list[int]], groups: list[list[Completion]], pad_token_id: int,
+def pad_rollouts(prompts: list[list[int]], groups: list[list[Completion]], pad_token_id: int, micro_batch_size: int,
                  device: torch.device | str = "cpu") -> PaddedRollouts:
     """Pad prompts (left) and completions (right). Every group must have the same size G."""
     group_size = len(groups[0])
@@ -59,58 +62,76 @@ def pad_rollouts(prompts: list[list[int]], groups: list[list[Completion]], pad_t
         completion_ids=completion_ids.to(device),
         completion_mask=completion_mask.to(device),
         sampler_logp=sampler_logp.to(device),
+        truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool, device=device),
+        group_size=group_size,
+        micro_batch_size=micro_batch_size,
     )
 
 
-def collate_rollouts(
-    prompts: list[list[int]],
-    groups: list[list[Completion]],
-    rewards: list[float],
-    pad_token_id: int,
-    micro_batch_size: int,
-    advantage_eps: float = 1e-4,
-    scale_rewards: bool = True,
-    device: torch.device | str = "cpu",
-) -> RolloutBatch:
-    """Pad prompts (left) and completions (right), and compute eq. 2 advantages and the eq. 8 group mask.
+@dataclass(frozen=True)
+class BatchOrigin:
+    """Where a batch comes from, beyond its completions: what ``RolloutBatch`` records next to the tensors."""
 
-    ``rewards`` is flat, in the order of ``groups`` (prompt-major). Every group must have the same size G.
-    """
-    padded = pad_rollouts(prompts, groups, pad_token_id, device)
-    flat = [c for g in groups for c in g]
-    group_size = len(groups[0])
-    if len(rewards) != len(flat):
-        raise ValueError(f"got {len(rewards)} rewards for {len(flat)} completions")
-    reward_groups = torch.tensor(rewards, dtype=torch.float32).view(len(groups), group_size)
+    batch_index: int = 0  # position in the prompt stream
+    rollout_step: int = 0  # the weight version (optimizer step) that sampled it
+    #: alpha's log-probs ``[S, C]``; ``None``: alpha is pi_k (the engine held the policy's current weights)
+    alpha_logp: torch.Tensor | None = None
+    #: pi_ref's log-probs ``[S, C]`` from the rollout server and pi_ref's version (``data.reference_on_server``)
+    reference: tuple[torch.Tensor, str] | None = None
+    reference_offloaded: bool = False  # the data module asks the server for pi_ref's log-probs (every rank alike)
+    stats: dict[str, float] = field(default_factory=dict)  # the rollout's timings and counters, logged after its own
+
+
+def collate_rollouts(padded: PaddedRollouts, rewards: list[float], advantage_eps: float = 1e-4,
+                     scale_rewards: bool = True, origin: BatchOrigin = BatchOrigin()) -> RolloutBatch:  # noqa: B008
+    """The complete ``RolloutBatch`` of padded completions: eq. 2 advantages and the eq. 8 group mask from
+    ``rewards`` (flat, in the completions' prompt-major order), the batch's ``origin``, and its statistics."""
+    group_size = padded.group_size
+    num_groups = padded.completion_ids.shape[0] // group_size
+    if len(rewards) != padded.completion_ids.shape[0]:
+        raise ValueError(f"got {len(rewards)} rewards for {padded.completion_ids.shape[0]} completions")
+    device = padded.completion_ids.device
+    reward_groups = torch.tensor(rewards, dtype=torch.float32).view(num_groups, group_size)
     advantages = group_advantages(reward_groups, eps=advantage_eps, scale=scale_rewards).view(-1)
-    group_mask = zero_variance_mask(reward_groups).repeat_interleave(group_size)
+    group_mask = zero_variance_mask(reward_groups).repeat_interleave(group_size).to(device)
+    flat_rewards = reward_groups.view(-1).to(device)
+    reference_logp, reference_version = (None, None) if origin.reference is None else origin.reference
     return RolloutBatch(
         prompt_ids=padded.prompt_ids,
         prompt_mask=padded.prompt_mask,
         group_index=padded.group_index,
         completion_ids=padded.completion_ids,
         completion_mask=padded.completion_mask,
-        rewards=reward_groups.view(-1).to(device),
+        rewards=flat_rewards,
         advantages=advantages.to(device),
-        group_mask=group_mask.to(device),
-        truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool, device=device),
+        group_mask=group_mask,
+        truncated=padded.truncated,
+        alpha_logp=origin.alpha_logp,
         sampler_logp=padded.sampler_logp,
+        reference_logp=reference_logp.to(device) if reference_logp is not None else None,
+        reference_version=reference_version,
+        reference_offloaded=origin.reference_offloaded,
         group_size=group_size,
-        micro_batch_size=micro_batch_size,
+        micro_batch_size=padded.micro_batch_size,
+        batch_index=origin.batch_index,
+        rollout_step=origin.rollout_step,
         advantage_eps=advantage_eps,
         scale_rewards=scale_rewards,
+        stats={**rollout_stats(flat_rewards, group_mask, padded.completion_mask, padded.truncated, group_size),
+               **origin.stats},
     )
 
 
-def rollout_stats(batch: RolloutBatch) -> dict[str, float]:
+def rollout_stats(rewards: torch.Tensor, group_mask: torch.Tensor, completion_mask: torch.Tensor,
+                  truncated: torch.Tensor, group_size: int) -> dict[str, float]:
     """Reward and length statistics of a rollout batch (for logging)."""
-    groups = batch.rewards.view(-1, batch.group_size)
-    lengths = batch.completion_mask.sum(1).float()
+    groups = rewards.view(-1, group_size)
+    lengths = completion_mask.sum(1).float()
     return {
-        "reward_mean": float(batch.rewards.mean()),
+        "reward_mean": float(rewards.mean()),
         "reward_std": float(groups.std(dim=1, unbiased=False).mean()),
-        "frac_zero_variance": float(1.0 - batch.group_mask.view(-1, batch.group_size)[:, 0].mean()),
+        "frac_zero_variance": float(1.0 - group_mask.view(-1, group_size)[:, 0].mean()),
         "completion_length": float(lengths.mean()),
-        "truncation_rate": float(batch.truncated.float().mean()),
+        "truncation_rate": float(truncated.float().mean()),
         "generated_tokens": float(lengths.sum()),
     }

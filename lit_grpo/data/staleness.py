@@ -28,15 +28,15 @@ def check_staleness_setup(max_staleness: int, engine: str, callbacks: Iterable[A
                 "rollouts lag; asynchronous rollouts already sample ahead of the trainer: use one of the two")
 
 
-def check_reference_on_server(reference_on_server: bool, engine: str, engine_options: dict[str, Any] | None) -> None:
-    """``reference_on_server`` needs the project's rollout server (vLLM serves one model: the rollout policy)."""
+def check_reference_on_server(reference_on_server: bool, engine: str, server_kind: str | None) -> None:
+    """``reference_on_server`` needs the project's rollout server (vLLM serves one model: the rollout policy);
+    ``server_kind`` is ``data.engine_options.kind`` of a server engine."""
     if not isinstance(reference_on_server, bool):
         raise ValueError(f"reference_on_server must be true or false, got {reference_on_server!r}")
     if not reference_on_server:
         return
-    kind = (engine_options or {}).get("kind", "lit_grpo")
-    if engine != "server" or kind != "lit_grpo":
-        where = f"engine {engine!r}" if engine != "server" else f"a server of kind {kind!r}"
+    if engine != "server" or server_kind != "lit_grpo":
+        where = f"engine {engine!r}" if engine != "server" else f"a server of kind {server_kind!r}"
         raise ValueError(f"reference_on_server: true needs data.engine: server with the project's rollout server "
                          f"(python -m lit_grpo serve), which can hold a copy of pi_ref; got {where}")
 

@@ -1,16 +1,29 @@
-"""The rollout-engine interface shared by the in-process transformers engine and the vLLM engine.
+"""The rollout-engine contract: what the data module and the callbacks rely on, and all an engine implements.
 
-An engine holds *its own* weights (the rollout policy alpha). They change only through ``load_weights``,
-which the ``WeightSync`` callback calls every v steps; between syncs alpha lags the policy.
+- ``RolloutEngine``: every engine (the in-process transformers engine, colocated vLLM, rollout servers). It holds
+  *its own* weights (the rollout policy alpha); they change only through ``load_weights``, which the
+  ``WeightSync`` callback calls every v steps, so between syncs alpha lags the policy.
+- ``RemoteEngine``: what an engine in other processes adds (rollout servers over HTTP, ``lit_grpo.engines.remote``):
+  generation in two steps, so that a background thread can run the first (``request_rollouts``: no collective;
+  ``check_lockstep``: the ranks' agreement, on the training thread), and hooks every rank runs before a weight push
+  (``before_push``).
+- ``ReferenceServing``: what an engine that also holds pi_ref adds (``data.reference_on_server``): ``WeightSync``
+  pushes pi_ref into it, the data module asks it for pi_ref's log-probs of each batch.
+
+A new engine implements ``RolloutEngine`` (and ``RemoteEngine`` / ``ReferenceServing`` when it lives elsewhere or
+scores pi_ref); nothing else of it is read.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
+
+from lit_grpo.batch import MicroBatch
 
 
 @dataclass(frozen=True)
@@ -43,11 +56,38 @@ class Completion:
     versions: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Rollouts:
+    """What one rank's request for a batch brought back: ``groups`` (``n`` completions per prompt, in prompt order)
+    when it succeeded; else ``groups`` is ``None`` and ``error`` says why (naming the server)."""
+
+    groups: list[list[Completion]] | None
+    error: str | None = None
+    #: pi_ref's log-probs of the completions ``[S, C]`` in ``pad_rollouts``' layout and pi_ref's version, when the
+    #: server scored them too (``data.reference_on_server``)
+    reference: tuple[torch.Tensor, str] | None = None
+    reference_seconds: float = 0.0  # how long the server took to score them
+
+
+class ScoringLayout(Protocol):
+    """Padded completions as the trainer lays them out (a ``RolloutBatch``, or the padded rollouts it is built
+    from): ``score`` runs over exactly these micro-batches."""
+
+    @property
+    def completion_ids(self) -> torch.Tensor: ...
+
+    def micro_batches(self) -> Iterator[MicroBatch]: ...
+
+
 class RolloutEngine(ABC):
     """Generates completions with its own copy of the weights."""
 
     #: optimizer step of the policy whose weights the engine holds (set by ``load_weights``)
     synced_step: int = 0
+    #: the engine's log-probs are the trainer's function of the same weights, so when it holds the policy's
+    #: current weights alpha = pi_k and the trainer's first forward gives alpha's log-probs
+    #: (``data.reuse_policy_logprobs``); ``False``: the sampler's own log-probs are alpha's
+    rescore: bool = False
 
     @abstractmethod
     def generate(
@@ -59,9 +99,9 @@ class RolloutEngine(ABC):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
         """Replace the engine's weights by the given full tensors (HF parameter names); record ``step``."""
 
-    def score(self, batch, temperature: float) -> torch.Tensor | None:  # noqa: ANN001 (RolloutBatch; avoids a cycle)
-        """Log-probs ``[S, C]`` of the batch's completions under the engine's weights, recomputed with the same
-        micro-batch layout the trainer uses; ``None`` when the engine cannot (then the sampler's are used)."""
+    def score(self, layout: ScoringLayout, temperature: float) -> torch.Tensor | None:
+        """Log-probs ``[S, C]`` of the layout's completions under the engine's weights, recomputed over the
+        trainer's micro-batches; ``None`` when the engine cannot (then the sampler's are used)."""
         return None
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -74,3 +114,44 @@ class RolloutEngine(ABC):
     def to(self, device: torch.device | str) -> RolloutEngine:
         """Move the engine next to the trainer's device (no-op for engines that place themselves)."""
         return self
+
+
+class RemoteEngine(RolloutEngine):
+    """An engine in other processes: generation is a request (no collective, so a background thread may send it)
+    followed by the ranks' agreement on the training thread, and a weight push waits for the ``before_push``
+    hooks first (the asynchronous producer's drain)."""
+
+    #: called on every rank before each weight push, in order
+    before_push: list[Callable[[], None]]
+
+    @abstractmethod
+    def request_rollouts(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> Rollouts:
+        """This rank's request, no torch.distributed call; a failed request comes back as ``Rollouts.error``."""
+
+    @abstractmethod
+    def check_lockstep(self, rollouts: Rollouts) -> list[list[Completion]]:
+        """On the training thread: raise on every rank when any rank's request failed, else the completions."""
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
+        """``request_rollouts``, then ``check_lockstep``."""
+        return self.check_lockstep(self.request_rollouts(prompts, n, sampling, seed))
+
+
+@runtime_checkable
+class ReferenceServing(Protocol):
+    """An engine that holds a copy of pi_ref and scores it (``data.reference_on_server``)."""
+
+    #: the data module asks for pi_ref's log-probs from this engine: ``WeightSync`` keeps its copy current
+    serves_reference: bool
+    #: the label of the pi_ref pushed to it (``None``: none yet, or the last push failed)
+    reference_version: str | None
+
+    def load_reference(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
+        """Replace the engine's pi_ref by the given full tensors, labelled ``version``."""
+        ...
+
+    def score_reference(self, micro_batches: list[MicroBatch], num_sequences: int, width: int, temperature: float,
+                        autocast: str | None = None) -> tuple[torch.Tensor, str]:
+        """pi_ref's log-probs ``[num_sequences, width]`` of the completions in ``micro_batches`` (under ``autocast``,
+        the trainer's mixed-precision dtype, when given), and the version of pi_ref that computed them."""
+        ...

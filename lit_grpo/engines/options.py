@@ -111,11 +111,8 @@ class ServerOptions:
     packed: bool = True
 
     def __post_init__(self) -> None:
-        if (self.url is None) == (self.urls is None):
-            raise ValueError("ServerEngine needs exactly one of url (one server) and urls (a list of servers)")
-        urls = self.server_urls
-        if not urls or len(set(urls)) != len(urls) or not all(isinstance(u, str) for u in urls):
-            raise ValueError(f"urls must be a non-empty list of distinct server URLs, got {urls!r}")
+        # which servers is the engine's to check (ServerEngine): its message comes after the sampling checks that
+        # depend on the kind alone
         kinds = get_args(get_type_hints(ServerOptions)["kind"])
         if self.kind not in kinds:
             raise ValueError(f"unknown server kind {self.kind!r}; expected one of {kinds}")
@@ -132,8 +129,8 @@ class ServerOptions:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
 
     @property
-    def server_urls(self) -> list[str]:
-        return [self.url] if self.url is not None else list(self.urls or [])
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
 
     @property
     def transfer_backend(self) -> str:

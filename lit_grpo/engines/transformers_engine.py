@@ -9,8 +9,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from lit_grpo.batch import left_pad
 from lit_grpo.distributed import is_sharded
-from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
+from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig, ScoringLayout
 from lit_grpo.engines.kv_cache import preallocate
 from lit_grpo.engines.static_decoding import StaticDecoder
 from lit_grpo.math.logprobs import selective_log_softmax
@@ -26,17 +27,6 @@ def _check_request(prompts: list[list[int]], n: int) -> None:
         raise ValueError(f"n must be >= 1, got {n}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-
-
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        if prompt:
-            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device=device)
-            mask[row, width - len(prompt) :] = 1
-    return ids, mask
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -248,11 +238,11 @@ class TransformersEngine(RolloutEngine):
         self.synced_step = int(step)
 
     @torch.inference_mode()
-    def score(self, batch, temperature: float) -> torch.Tensor | None:  # noqa: ANN001
+    def score(self, layout: ScoringLayout, temperature: float) -> torch.Tensor | None:
         if not self.rescore:
             return None
-        out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
-        for mb in batch.micro_batches():
+        out = torch.zeros(layout.completion_ids.shape, dtype=torch.float32, device=layout.completion_ids.device)
+        for mb in layout.micro_batches():
             logp, _ = completion_logprobs(self.model, mb, temperature)
             out[mb.rows, : logp.shape[1]] = logp
         return out

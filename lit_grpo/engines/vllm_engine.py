@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
+from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig, ScoringLayout
 from lit_grpo.models import ALIASES
 
 INSTALL_HINT = ("install it with `pip install 'lit_grpo[vllm]'` on a CUDA machine or "
@@ -343,7 +343,7 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
         self.synced_step = int(step)
 
-    def score(self, batch, temperature: float) -> torch.Tensor | None:  # noqa: ANN001
+    def score(self, layout: ScoringLayout, temperature: float) -> torch.Tensor | None:
         """``None``: the sampler's log-probs (after temperature) are alpha's; recomputing them would need a
         second forward pass in vLLM, which offers no batched scoring of given completions here."""
         return None

@@ -1,66 +1,51 @@
 """The rollout server's generation backend: ``/v1/completions`` served by the transformers engine, and the pause
 that keeps generation and a weight swap apart (``/pause``, ``/resume``, ``/is_paused``).
 
-``GenerationRoutes`` is a part of ``RolloutServer`` (``lit_grpo.serving.server``), which holds the state it uses:
-the model, its EOS and pad ids, the limits, ``weight_version`` and the condition that guards ``paused``,
-``in_flight``, ``swapping`` and ``abort_epoch``. torch and transformers are imported only when a request comes.
+``GenerationRoutes`` is one of ``RolloutServer``'s route handlers (``lit_grpo.serve.server``); the served policy,
+its version and the pause state are the ``ServedPolicy`` it is given. torch and transformers are imported only when
+a request comes.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from contextlib import contextmanager
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from lit_grpo.serving.protocol import CompletionRequest, HTTPFailure, Limits, parse_completion_request
+from lit_grpo.serve.served_policy import ServedPolicy
+from lit_grpo.wire.protocol import CompletionRequest, HTTPFailure, Limits, parse_completion_request
 
 
 class Aborted(Exception):
     """A generation stopped by ``/pause?mode=abort``."""
 
 
+@dataclass(eq=False)
 class GenerationRoutes:
-    """The generation and pause routes of ``RolloutServer``. A generation counts itself in ``in_flight`` so a
-    weight swap (``finish_weight_update``) waits for it, and waits for a swap in progress before it starts; the
-    version it reports is the one it started under, which no swap can change while it runs."""
+    """The generation and pause routes of ``RolloutServer``: completions sampled from ``policy``'s model (each one a
+    generation of ``ServedPolicy.generating``, so a weight swap waits for it), stopped at ``eos`` and the request's
+    stop ids, padded with ``pad``, within ``limits``."""
 
-    model: Any
+    policy: ServedPolicy
     tokenizer: Any
     model_name: str
     limits: Limits
     eos: list[int]
     pad: int
     vocab_size: int
-    cond: threading.Condition
-    paused: bool
-    in_flight: int
-    swapping: bool
-    abort_epoch: int
-    weight_version: str | None
+
+    def handlers(self) -> dict[str, Callable[[dict, dict], dict]]:
+        """Its routes' handlers by the names ``lit_grpo.wire.protocol.ROUTES`` gives them."""
+        return {"health": self.health, "completions": self.completions, "pause": self.pause, "resume": self.resume,
+                "is_paused": self.is_paused}
 
     def health(self, body: dict, query: dict) -> dict:
         return {}
 
-    @contextmanager
-    def _generation(self):  # noqa: ANN202
-        with self.cond:
-            if self.paused:
-                raise HTTPFailure(503, "generation is paused (a weight update is in progress); retry after /resume")
-            while self.swapping:
-                self.cond.wait()
-            self.in_flight += 1
-            epoch, version = self.abort_epoch, self.weight_version
-        try:
-            yield epoch, version
-        finally:
-            with self.cond:
-                self.in_flight -= 1
-                self.cond.notify_all()
-
     def _between_steps(self, epoch: int, done: bool) -> bool:
-        if self.abort_epoch != epoch:
+        if self.policy.abort_epoch != epoch:
             raise Aborted
         return done
 
@@ -72,8 +57,8 @@ class GenerationRoutes:
         sampling = SamplingConfig(max_new_tokens=request.max_tokens, temperature=request.temperature,
                                   top_p=request.top_p)
         stops = sorted(set(self.eos) | set(request.stop_token_ids))
-        engine = TransformersEngine(self.model, stops, self.pad, copy_weights=False, rescore=False)
-        with self._generation() as (epoch, version):
+        engine = TransformersEngine(self.policy.model, stops, self.pad, copy_weights=False, rescore=False)
+        with self.policy.generating() as (epoch, version):
             try:
                 groups = engine.generate(request.prompts, request.n, sampling, request.seed,
                                          all_finished=lambda done: self._between_steps(epoch, done))
@@ -128,19 +113,12 @@ class GenerationRoutes:
         mode = query.get("mode", body.get("mode", "abort"))
         if mode not in ("abort", "wait"):
             raise HTTPFailure(400, f"pause mode {mode!r} is not supported; this server offers 'abort' and 'wait'")
-        with self.cond:
-            self.paused = True
-            if mode == "abort":
-                self.abort_epoch += 1
-            while self.in_flight:
-                self.cond.wait()
+        self.policy.pause(abort=mode == "abort")
         return {"status": "paused"}
 
     def resume(self, body: dict, query: dict) -> dict:
-        with self.cond:
-            self.paused = False
-            self.cond.notify_all()
+        self.policy.resume()
         return {"status": "resumed"}
 
     def is_paused(self, body: dict, query: dict) -> dict:
-        return {"is_paused": self.paused}
+        return {"is_paused": self.policy.paused}

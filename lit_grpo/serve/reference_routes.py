@@ -13,16 +13,19 @@ trainer's scoring function on them (``lit_grpo.scoring.completion_logprobs``), s
 the trainer would compute: in the server's dtype, under the trainer's autocast when it trains in mixed precision
 (``autocast`` in the request). The project's server only: vLLM 0.33 has no second model.
 
-``ReferenceRoutes`` is a part of ``RolloutServer``; torch is imported when a request comes.
+``ReferenceRoutes`` is one of ``RolloutServer``'s route handlers and holds the copy of pi_ref (made from the served
+policy at pi_ref's first push, filled by the weight receiver); torch is imported when a request comes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from lit_grpo.serving.protocol import HTTPFailure, Limits, number_field
+from lit_grpo.serve.served_policy import ServedPolicy
+from lit_grpo.wire.protocol import HTTPFailure, Limits, number_field
 
 #: ``autocast`` of a ``/reference/logprobs`` request: the trainer's mixed precision (None: none)
 AUTOCAST_DTYPES = (None, "bfloat16", "float16")
@@ -31,25 +34,41 @@ MICRO_BATCH_FIELDS = ("prompt_ids", "prompt_mask", "prompt_index", "completion_i
 
 
 class ReferenceRoutes:
-    """``/reference/logprobs`` of ``RolloutServer``, and the copy of pi_ref a reference push fills."""
+    """``/reference/logprobs`` of ``RolloutServer``, and the copy of pi_ref a reference push fills: ``model`` (made
+    at the first push), its ``params`` by name, its ``version``, and the ``lock`` a swap of its weights and a scoring
+    request take."""
 
-    model: Any
-    device: Any
-    vocab_size: int
-    limits: Limits
-    reference: Any
-    reference_params: dict[str, Any]
-    reference_version: str | None
-    reference_lock: threading.Lock
+    def __init__(self, policy: ServedPolicy, vocab_size: int, limits: Limits) -> None:
+        self.policy = policy
+        self.device = policy.device
+        self.vocab_size = vocab_size
+        self.limits = limits
+        self.model: Any = None  # pi_ref, made at its first push (data.reference_on_server)
+        self.params: dict[str, Any] = {}
+        self.version: str | None = None
+        self.lock = threading.Lock()
 
-    def ensure_reference(self) -> None:
+    def handlers(self) -> dict[str, Callable[[dict, dict], dict]]:
+        """Its route's handler by the name ``lit_grpo.wire.protocol.ROUTES`` gives it."""
+        return {"reference_logprobs": self.reference_logprobs}
+
+    def ensure(self) -> None:
         """Make pi_ref's copy at its first push (the rollout policy's weights until the push lands). Called under
         the transfer lock, so no policy swap runs meanwhile."""
-        if self.reference is None:
+        if self.model is None:
             from lit_grpo.model_copies import frozen_copy
 
-            self.reference = frozen_copy(self.model).eval()
-            self.reference_params = dict(self.reference.named_parameters())
+            self.model = frozen_copy(self.policy.model).eval()
+            self.params = dict(self.model.named_parameters())
+
+    def install(self, staged: dict[str, Any], version: str | None) -> None:
+        """Switch pi_ref's parameters to the received tensors (no generation reads pi_ref: only a scoring request
+        waits), and label them ``version``."""
+        with self.lock:
+            for name, tensor in staged.items():
+                self.params[name].data = tensor
+            if version is not None:
+                self.version = str(version)
 
     def reference_logprobs(self, body: dict, query: dict) -> dict:
         """``{"reference_version": V, "temperature": T, "autocast": null | "bfloat16" | "float16",
@@ -73,12 +92,12 @@ class ReferenceRoutes:
         if not isinstance(items, list) or not items:
             raise HTTPFailure(400, "micro_batches must be a non-empty list")
         batches = [self._micro_batch(item, i) for i, item in enumerate(items)]
-        with self.reference_lock:
-            if self.reference is None or self.reference_version is None:
+        with self.lock:
+            if self.model is None or self.version is None:
                 raise HTTPFailure(409, "this server holds no pi_ref: the trainer pushes it first "
                                        "(data.reference_on_server, at WeightSync's first push)")
-            if self.reference_version != str(expected):
-                raise HTTPFailure(409, f"this server holds pi_ref version {self.reference_version!r}, not "
+            if self.version != str(expected):
+                raise HTTPFailure(409, f"this server holds pi_ref version {self.version!r}, not "
                                        f"{str(expected)!r}")
             out = []
             # the trainer's forward precision: under bf16-mixed its own pi_ref pass runs in autocast, and so does this
@@ -86,9 +105,9 @@ class ReferenceRoutes:
                          else contextlib.nullcontext())
             with torch.no_grad(), precision:
                 for mb in batches:
-                    logp, _ = completion_logprobs(self.reference, mb, float(temperature))
+                    logp, _ = completion_logprobs(self.model, mb, float(temperature))
                     out.append(logp.float().cpu().tolist())
-            return {"reference_version": self.reference_version, "logprobs": out}
+            return {"reference_version": self.version, "logprobs": out}
 
     def _micro_batch(self, item: Any, i: int) -> Any:
         """One checked micro-batch as a ``MicroBatch`` on the server's device."""

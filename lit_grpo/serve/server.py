@@ -1,11 +1,12 @@
 """``python -m lit_grpo serve --model M --port P``: the project's rollout server.
 
 One process holds the rollout policy alpha (the transformers engine, on CPU or one GPU) behind HTTP and speaks
-the protocol of ``lit_grpo.serving.protocol`` (a subset of ``vllm serve`` 0.33's), so the trainer's
-``ServerEngine`` drives either server. ``RolloutServer`` is the state; its routes come from
-``GenerationRoutes`` (``serving.generation``: completions, pause), ``WeightReceiver``
-(``serving.weight_receive``: the weight push, all or nothing) and ``ReferenceRoutes`` (``serving.reference_routes``:
-pi_ref's log-probs, for ``data.reference_on_server``).
+the protocol of ``lit_grpo.wire.protocol`` (a subset of ``vllm serve`` 0.33's), so the trainer's
+``ServerEngine`` drives either server. ``RolloutServer`` holds the token, the limits and its route handlers, one
+object each: ``GenerationRoutes`` (``serve.generation``: completions, pause), ``WeightReceiver``
+(``serve.weight_receive``: the weight push, all or nothing) and ``ReferenceRoutes`` (``serve.reference_routes``:
+pi_ref's copy and log-probs, for ``data.reference_on_server``); the served policy they share is a
+``ServedPolicy`` (``serve.served_policy``).
 
 Security: binds 127.0.0.1 unless ``--host`` says otherwise; every route but ``/health`` needs
 ``Authorization: Bearer <token>`` (compared with ``hmac.compare_digest``); there is no default token: it is read
@@ -25,15 +26,17 @@ import hmac
 import json
 import os
 import sys
-import threading
 import traceback
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from lit_grpo.serving.generation import GenerationRoutes
-from lit_grpo.serving.protocol import (
+from lit_grpo.serve.generation import GenerationRoutes
+from lit_grpo.serve.reference_routes import ReferenceRoutes
+from lit_grpo.serve.served_policy import ServedPolicy
+from lit_grpo.serve.weight_receive import WeightReceiver
+from lit_grpo.wire.protocol import (
     LOOPBACK,
     MIN_TOKEN_CHARS,
     OPEN_ROUTES,
@@ -43,16 +46,15 @@ from lit_grpo.serving.protocol import (
     Limits,
     error_payload,
 )
-from lit_grpo.serving.reference_routes import ReferenceRoutes
-from lit_grpo.serving.weight_receive import WeightReceiver
 
 DEFAULT_LIMITS = Limits()
 
 
-class RolloutServer(GenerationRoutes, WeightReceiver, ReferenceRoutes):
-    """The server's state: the model, its ``weight_version``, the weight-transfer group, a push in progress, the
-    pause flag and, once the trainer pushes one, a copy of pi_ref. Thread-safe: HTTP requests are served on
-    threads of their own."""
+class RolloutServer:
+    """The server: the token, the limits, and its route handlers, which share the served policy (``policy``):
+    ``generation`` (completions, pause), ``receiver`` (the weight push) and ``reference`` (the copy of pi_ref, made
+    when the trainer first pushes one, and its log-probs). Thread-safe: HTTP requests are served on threads of their
+    own."""
 
     def __init__(self, model: Any, tokenizer: Any, model_name: str, token: str, limits: Limits = DEFAULT_LIMITS,
                  reuse_buffers: bool = True) -> None:
@@ -60,46 +62,19 @@ class RolloutServer(GenerationRoutes, WeightReceiver, ReferenceRoutes):
 
         if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
             raise ValueError(f"the server token must be at least {MIN_TOKEN_CHARS} characters")
-        self.model = model.eval().requires_grad_(False)
-        self.tokenizer = tokenizer
-        self.model_name = model_name
         self._token = token.encode()
         self.limits = limits
-        self.params = dict(model.named_parameters())
-        self.eos = eos_token_ids(tokenizer, model)
+        self.policy = ServedPolicy(model)
+        eos = eos_token_ids(tokenizer, model)
         pad = tokenizer.pad_token_id
-        self.pad = int(pad) if pad is not None else self.eos[0]
-        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
-        self.device = next(model.parameters()).device
-        self.dtypes = sorted({str(p.dtype).split(".")[-1] for p in self.params.values() if p.is_floating_point()})
-        self.cond = threading.Condition()
-        self.paused = False
-        self.in_flight = 0
-        self.swapping = False
-        self.abort_epoch = 0
-        self.weight_version: str | None = None
-        self.transfer_lock = threading.Lock()  # one weight-transfer call at a time
-        self.group = None
-        self.store = None
-        self.backend = "gloo"
-        self.packed = True
-        self.transfer_timeout_s = 300.0  # the group's timeout, from /init_weight_transfer_engine
-        self.staging: dict[str, Any] | None = None
-        self.receiving = False  # inside a bucket's broadcast
-        # Receive buffers kept across pushes (CPU only: fresh memory costs page faults as slow as the transfer;
-        # the CUDA caching allocator reuses memory by itself). Bucket k of a push lands in a buffer of the same
-        # announcement that does not back the parameters now, so a model has at most two sets of buffers.
-        self.reuse_buffers = reuse_buffers
-        self._pool: dict[tuple[str, ...], list[Any]] = {}
-        self._live: set[int] = set()  # data pointers of the buffers the parameters point into
-        self._push_buffers: list[tuple[tuple[str, ...], Any]] = []
-        self.push_target = "policy"
-        self.reference: Any = None  # pi_ref, made at its first push (data.reference_on_server)
-        self.reference_params: dict[str, Any] = {}
-        self.reference_version: str | None = None
-        self.reference_lock = threading.Lock()
+        vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.generation = GenerationRoutes(self.policy, tokenizer, model_name, limits, eos,
+                                           int(pad) if pad is not None else eos[0], vocab_size)
+        self.reference = ReferenceRoutes(self.policy, vocab_size, limits)
+        self.receiver = WeightReceiver(self.policy, self.reference, model_name, reuse_buffers)
+        handlers = {**self.generation.handlers(), **self.receiver.handlers(), **self.reference.handlers()}
         self.routes: dict[tuple[str, str], Callable[[dict, dict], dict]] = {
-            key: getattr(self, name) for key, name in ROUTES.items()}
+            key: handlers[name] for key, name in ROUTES.items()}
         self.open_routes = set(OPEN_ROUTES)
 
     # ---- authentication -----------------------------------------------------------------------------

@@ -2,24 +2,28 @@
 ``/finish_weight_update``), the receive buffers, ``/weight_info`` and ``/weight_checker``.
 
 A push goes to the rollout policy (``target`` ``policy``, the default and vLLM's only one) or to the server's copy
-of pi_ref (``{"target": "reference"}`` in ``/start_weight_update``, ``lit_grpo.serving.reference_routes``), which is
+of pi_ref (``{"target": "reference"}`` in ``/start_weight_update``, ``lit_grpo.serve.reference_routes``), which is
 made at its first push. A push is all or nothing: buckets are received into staging tensors and the model's
 parameters are switched to them only at ``/finish_weight_update``, once every parameter has arrived, while no
 generation runs. A push cut off anywhere before that (sender killed, bad bucket, timeout) is discarded and the
 server keeps its previous weights and ``weight_version``; the next push starts from ``/init_weight_transfer_engine``
 again.
 
-``WeightReceiver`` is a part of ``RolloutServer`` (``lit_grpo.serving.server``), which holds the state it uses;
-torch is imported only when a push comes.
+``WeightReceiver`` is one of ``RolloutServer``'s route handlers (``lit_grpo.serve.server``): it holds the transfer's
+state (the group, the push in progress, the receive buffers) and writes into the ``ServedPolicy`` and the copy of
+pi_ref (``ReferenceRoutes``) it is given; torch is imported only when a push comes.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-from lit_grpo.serving.protocol import HTTPFailure, number_field
+from lit_grpo.serve.reference_routes import ReferenceRoutes
+from lit_grpo.serve.served_policy import ServedPolicy
+from lit_grpo.wire.protocol import HTTPFailure, number_field
 
 #: what a push may write: the rollout policy, or the server's copy of pi_ref
 PUSH_TARGETS = ("policy", "reference")
@@ -27,38 +31,49 @@ PUSH_TARGETS = ("policy", "reference")
 
 class WeightReceiver:
     """The weight-transfer routes of ``RolloutServer``: one transfer call at a time (``transfer_lock``); the
-    swap at ``/finish_weight_update`` waits for the generations in flight and holds new ones back."""
+    swap at ``/finish_weight_update`` waits for the generations in flight and holds new ones back.
 
-    model_name: str
-    params: dict[str, Any]
-    device: Any
-    dtypes: list[str]
-    cond: threading.Condition
-    paused: bool
-    in_flight: int
-    swapping: bool
-    weight_version: str | None
-    transfer_lock: threading.Lock
-    group: Any
-    store: Any
-    backend: str
-    packed: bool
-    transfer_timeout_s: float
-    staging: dict[str, Any] | None
-    receiving: bool
-    reuse_buffers: bool
-    _pool: dict[tuple[str, ...], list[Any]]
-    _live: set[int]
-    _push_buffers: list[tuple[tuple[str, ...], Any]]
-    push_target: str
-    reference_params: dict[str, Any]
-    reference_version: str | None
-    reference_lock: threading.Lock
-    ensure_reference: Any  # ReferenceRoutes: makes the copy of pi_ref at its first push
+    Args:
+        policy: the served policy, whose weights and version a policy push replaces.
+        reference: the server's copy of pi_ref, which a reference push fills.
+        model_name: the served model's name (in error messages and ``/weight_info``).
+        reuse_buffers: keep receive buffers across pushes (CPU only: fresh memory costs page faults as slow as the
+            transfer; the CUDA caching allocator reuses memory by itself).
+    """
+
+    def __init__(self, policy: ServedPolicy, reference: ReferenceRoutes, model_name: str,
+                 reuse_buffers: bool = True) -> None:
+        self.policy = policy
+        self.reference = reference
+        self.model_name = model_name
+        self.transfer_lock = threading.Lock()  # one weight-transfer call at a time
+        self.group = None
+        self.store = None
+        self.backend = "gloo"
+        self.packed = True
+        self.transfer_timeout_s = 300.0  # the group's timeout, from /init_weight_transfer_engine
+        self.staging: dict[str, Any] | None = None
+        self.receiving = False  # inside a bucket's broadcast
+        # Bucket k of a push lands in a buffer of the same announcement that does not back the parameters now, so a
+        # model has at most two sets of buffers.
+        self.reuse_buffers = reuse_buffers
+        self._pool: dict[tuple[str, ...], list[Any]] = {}
+        self._live: set[int] = set()  # data pointers of the buffers the parameters point into
+        self._push_buffers: list[tuple[tuple[str, ...], Any]] = []
+        self.push_target = "policy"
+
+    def handlers(self) -> dict[str, Callable[[dict, dict], dict]]:
+        """Its routes' handlers by the names ``lit_grpo.wire.protocol.ROUTES`` gives them."""
+        return {"get_world_size": self.get_world_size, "init_weight_transfer_engine": self.init_weight_transfer_engine,
+                "shutdown_weight_transfer_engine": self.shutdown_weight_transfer_engine,
+                "start_weight_update": self.start_weight_update, "update_weights": self.update_weights,
+                "finish_weight_update": self.finish_weight_update,
+                "update_weight_version": self.update_weight_version, "weight_info": self.weight_info,
+                "weight_checker": self.weight_checker}
 
     def target_params(self) -> dict[str, Any]:
         """The parameters the push in progress writes: the rollout policy's or pi_ref's."""
-        return self.reference_params if self.push_target == "reference" else self.params
+        return self.reference.params if self.push_target == "reference" else self.policy.params
 
     @contextmanager
     def _transfer(self):  # noqa: ANN202
@@ -70,7 +85,7 @@ class WeightReceiver:
             self.transfer_lock.release()
 
     def _drop_transfer(self) -> None:
-        from lit_grpo.serving.weight_transfer import close_group
+        from lit_grpo.wire.weight_transfer import close_group
 
         close_group(self.group)
         self.group, self.store, self.staging = None, None, None
@@ -81,7 +96,7 @@ class WeightReceiver:
     def init_weight_transfer_engine(self, body: dict, query: dict) -> dict:
         import torch
 
-        from lit_grpo.serving.weight_transfer import BACKENDS, local_address_towards, open_group
+        from lit_grpo.wire.weight_transfer import BACKENDS, local_address_towards, open_group
 
         info = body.get("init_info")
         if not isinstance(info, dict):
@@ -93,9 +108,10 @@ class WeightReceiver:
             raise HTTPFailure(400, "this server is one process: init_info must have rank_offset 1 and world_size 2 "
                                    f"(got {info.get('rank_offset')}, {info.get('world_size')})")
         backend = info.get("backend", "gloo")
-        if backend not in BACKENDS or (backend == "nccl" and self.device.type != "cuda"):
+        device = self.policy.device
+        if backend not in BACKENDS or (backend == "nccl" and device.type != "cuda"):
             raise HTTPFailure(400, f"backend {backend!r} is not available here; expected 'gloo'"
-                                   + (" or 'nccl'" if self.device.type == "cuda" else " (the model is on the CPU)"))
+                                   + (" or 'nccl'" if device.type == "cuda" else " (the model is on the CPU)"))
         timeout_s = number_field(info, "timeout_s", 300.0)
         if not 0 < timeout_s <= 3600:
             raise HTTPFailure(400, f"timeout_s must lie in (0, 3600], got {timeout_s}")
@@ -114,6 +130,9 @@ class WeightReceiver:
                 raise HTTPFailure(502, f"could not join the weight-transfer group at {address}:{port}: {err}") from err
             self.group, self.store, self.backend, self.packed = group, store, backend, packed
             self.transfer_timeout_s = timeout_s
+            from lit_grpo.distributed import close_at_exit
+
+            close_at_exit(self._drop_transfer)  # the group's worker threads are joined before the interpreter finalizes
         return {"message": "Weight transfer initialized"}
 
     def shutdown_weight_transfer_engine(self, body: dict, query: dict) -> dict:
@@ -129,14 +148,14 @@ class WeightReceiver:
             if target not in PUSH_TARGETS:
                 raise HTTPFailure(400, f"target must be one of {list(PUSH_TARGETS)}, got {target!r}")
             if target == "reference":
-                self.ensure_reference()
+                self.reference.ensure()
             self.push_target = target
             self.staging = {}
             self._push_buffers = []
         return {"message": "Weight update started", "target": target}
 
     def _announced(self, body: dict) -> tuple[list[str], list, list[list[int]]]:
-        from lit_grpo.serving.weight_transfer import DTYPES
+        from lit_grpo.wire.weight_transfer import DTYPES
 
         info = body.get("update_info")
         if not isinstance(info, dict):
@@ -167,7 +186,7 @@ class WeightReceiver:
     def update_weights(self, body: dict, query: dict) -> dict:
         import torch
 
-        from lit_grpo.serving.weight_transfer import nbytes, unpack, wait_work
+        from lit_grpo.wire.weight_transfer import nbytes, unpack, wait_work
 
         with self._transfer():
             if self.staging is None or self.group is None:
@@ -178,8 +197,9 @@ class WeightReceiver:
                 # the sender's broadcast of this bucket is already under way and will never be read: the group
                 # is out of step, so it goes, and with it the partial update
                 self._drop_transfer()
+                kept = self.policy.weight_version
                 raise HTTPFailure(err.status, f"{err.message}; the update is discarded (weight version stays "
-                                              f"{self.weight_version!r}) and the transfer group is closed") from None
+                                              f"{kept!r}) and the transfer group is closed") from None
             device = self.transfer_device()
             self.receiving = True
             try:
@@ -196,31 +216,32 @@ class WeightReceiver:
                             wait_work(self.group.broadcast(tensors[-1], root=0), self.transfer_timeout_s)
             except Exception as err:  # noqa: BLE001 (sender gone, timeout: the update is dropped, the server lives)
                 self._drop_transfer()
+                kept = self.policy.weight_version
                 raise HTTPFailure(500, f"receiving the bucket failed ({err}); the update is discarded (weight version "
-                                       f"stays {self.weight_version!r}) and the transfer group is closed") from err
+                                       f"stays {kept!r}) and the transfer group is closed") from err
             finally:
                 self.receiving = False
             for name, tensor in zip(names, tensors):
-                self.staging[name] = tensor.to(self.device)
+                self.staging[name] = tensor.to(self.policy.device)
         return {"message": "Weights updated"}
 
     def transfer_device(self) -> Any:
         """Where the bytes of a push arrive: the CPU over gloo, this server's own CUDA device over NCCL (not the
         handler thread's current device, which is cuda:0 whatever ``--device`` says)."""
-        from lit_grpo.serving.weight_transfer import transport_device
+        from lit_grpo.wire.weight_transfer import transport_device
 
-        return transport_device(self.backend, self.device)
+        return transport_device(self.backend, self.policy.device)
 
     @contextmanager
     def _on_device(self) -> Any:
         """Make the server's CUDA device current in this handler thread (NCCL and the caching allocator use the
         current device for what is not given one); nothing on the CPU."""
-        if self.device.type != "cuda":
+        if self.policy.device.type != "cuda":
             yield
             return
         import torch
 
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.policy.device):
             yield
 
     def _receive_buffer(self, key: tuple[str, ...], total: int, device: Any) -> Any:
@@ -253,59 +274,45 @@ class WeightReceiver:
                 self.staging = None
                 raise HTTPFailure(400, f"the update covered {got} of {len(params)} parameters (missing e.g. "
                                        f"{missing[:3]}); it is discarded and the weight version stays "
-                                       f"{self.weight_version!r}")
+                                       f"{self.policy.weight_version!r}")
             staged, self.staging = self.staging, None
-            if self.push_target == "reference":  # no generation reads pi_ref: only a scoring request waits
-                with self.reference_lock:
-                    for name, tensor in staged.items():
-                        params[name].data = tensor
-                    if version is not None:
-                        self.reference_version = str(version)
+            if self.push_target == "reference":
+                self.reference.install(staged, version)
                 return {"message": "Weight update finished", "target": "reference",
-                        "reference_version": self.reference_version}
-            with self.cond:
-                self.swapping = True
-                while self.in_flight:
-                    self.cond.wait()
-                try:
-                    for name, tensor in staged.items():
-                        self.params[name].data = tensor
-                    self._live = {buffer.data_ptr() for _, buffer in self._push_buffers}
-                    used = {key for key, _ in self._push_buffers}
-                    self._pool = {key: buffers for key, buffers in self._pool.items() if key in used}
-                    if version is not None:
-                        self.weight_version = str(version)
-                finally:
-                    self.swapping = False
-                    self.cond.notify_all()
-        return {"message": "Weight update finished", "weight_version": self.weight_version}
+                        "reference_version": self.reference.version}
+            with self.policy.swapped():
+                for name, tensor in staged.items():
+                    params[name].data = tensor
+                self._live = {buffer.data_ptr() for _, buffer in self._push_buffers}
+                used = {key for key, _ in self._push_buffers}
+                self._pool = {key: buffers for key, buffers in self._pool.items() if key in used}
+                if version is not None:
+                    self.policy.weight_version = str(version)
+        return {"message": "Weight update finished", "weight_version": self.policy.weight_version}
 
     def update_weight_version(self, body: dict, query: dict) -> dict:
         version = body.get("new_version")
         if isinstance(version, bool) or not isinstance(version, (str, int)):
             raise HTTPFailure(400, f"new_version must be a string, got {version!r}")
-        with self.cond:
-            self.weight_version = str(version)
-        return {"success": True, "new_version": self.weight_version}
+        self.policy.set_version(str(version))
+        return {"success": True, "new_version": self.policy.weight_version}
 
     def weight_info(self, body: dict, query: dict) -> dict:
-        staging = self.staging
-        return {"weight_version": self.weight_version, "model": self.model_name, "dtypes": self.dtypes,
-                "device": str(self.device), "num_parameters": len(self.params), "updating": staging is not None,
+        staging, policy = self.staging, self.policy
+        return {"weight_version": policy.weight_version, "model": self.model_name, "dtypes": policy.dtypes,
+                "device": str(policy.device), "num_parameters": len(policy.params), "updating": staging is not None,
                 "staged_parameters": len(staging) if staging is not None else 0, "receiving": self.receiving,
-                "paused": self.paused, "reference_version": self.reference_version,
+                "paused": policy.paused, "reference_version": self.reference.version,
                 "transfer_group": self.group is not None}
 
     def weight_checker(self, body: dict, query: dict) -> dict:
-        from lit_grpo.serving.weight_transfer import checksum
+        from lit_grpo.wire.weight_transfer import checksum
 
         action = body.get("action")
         if action not in ("checksum", "compare"):
             raise HTTPFailure(400, f"action must be 'checksum' or 'compare', got {action!r}")
-        with self.cond:  # not while a swap runs
-            while self.swapping:
-                self.cond.wait()
-            sums = {name: checksum(p) for name, p in self.params.items()}
+        with self.policy.settled():  # not while a swap runs
+            sums = {name: checksum(p) for name, p in self.policy.params.items()}
         if action == "checksum":
             return {"checksums": sums}
         baseline = body.get("baseline")

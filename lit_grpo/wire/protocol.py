@@ -19,7 +19,7 @@ The project's server (``python -m lit_grpo serve``) speaks the subset of ``vllm 
   master_port, rank_offset: 1, world_size: 2, backend: gloo|nccl, timeout_s, packed}}``,
   ``POST /shutdown_weight_transfer_engine``, ``POST /start_weight_update``,
   ``POST /update_weights {"update_info": {names, dtype_names, shapes}}`` (the bucket's bytes arrive over the
-  group, see ``lit_grpo.serving.weight_transfer``), ``POST /finish_weight_update {"weight_version": v}``,
+  group, see ``lit_grpo.wire.weight_transfer``), ``POST /finish_weight_update {"weight_version": v}``,
   ``POST /update_weight_version {"new_version": v}``, ``GET /weight_info``,
   ``POST /weight_checker {"action": "checksum" | "compare", "baseline": {...}}`` (SHA-256 of every parameter).
 - ``GET /health`` (no token).
@@ -49,8 +49,8 @@ IGNORED_FIELDS = {"model", "user", "request_id", "skip_special_tokens", "spaces_
 HANDLED_FIELDS = {"prompt", "n", "seed", "temperature", "top_p", "max_tokens", "logprobs", "return_token_ids",
                   "return_weight_versions", "return_tokens_as_token_ids", "stop_token_ids", "stream", "echo", "stop"}
 
-#: every route of the project's server, ``(method, path)``, with the name of the ``RolloutServer`` method that
-#: serves it
+#: every route of the project's server, ``(method, path)``, with the name of the handler that serves it (one of
+#: ``RolloutServer``'s route handlers offers it)
 ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/health"): "health",
     ("POST", "/v1/completions"): "completions",

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lit_grpo.serving.weight_transfer import (
+from lit_grpo.wire.weight_transfer import (
     close_group,
     dtype_from_name,
     dtype_name,
@@ -230,6 +230,10 @@ def make_trainer_engine_class() -> type:
                                               init_info.master_address)
                 finally:
                     future.result()
+            # in the trainer's process only (not imported at the top: vLLM's own processes load this module too)
+            from lit_grpo.distributed import close_at_exit
+
+            close_at_exit(engine.shutdown)  # the group's worker threads are joined before the interpreter finalizes
             return engine
 
         def send_weights(self) -> None:

@@ -162,7 +162,7 @@ def close_group(group: dist.ProcessGroup | None) -> None:
 
 def packed_view(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
     """The tensors' bytes as one ``uint8`` view, without a copy, when they already lie back to back in one storage
-    on ``device`` (a bucket rebuilt in place by ``lit_grpo.distributed.rank0_buckets``, or a single tensor); else
+    on ``device`` (a bucket the push's gather rebuilt in place, ``rank0_buckets``, or a single tensor); else
     ``None``."""
     if not tensors or any(t.device != device or not t.is_contiguous() for t in tensors):
         return None

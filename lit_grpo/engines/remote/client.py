@@ -1,17 +1,17 @@
 """`ServerEngine`: rollouts from one or more rollout servers over HTTP (the paper's layout: a GPU serves
 rollouts, the FSDP ranks train), the policy's weights pushed to them every v batches.
 
-Two kinds of server speak the same protocol (``lit_grpo.serving.protocol`` documents it):
+Two kinds of server speak the same protocol (``lit_grpo.wire.protocol`` documents it):
 
-- ``kind: lit_grpo``: the project's own ``python -m lit_grpo serve`` (``lit_grpo.serving.server``).
-- ``kind: vllm``: ``vllm serve`` (0.32 or 0.33) in dev mode; what differs lives in ``lit_grpo.serving.vllm_client``,
-  imported only for that kind.
+- ``kind: lit_grpo``: the project's own ``python -m lit_grpo serve`` (``lit_grpo.serve.server``).
+- ``kind: vllm``: ``vllm serve`` (0.32 or 0.33) in dev mode; what differs lives in
+  ``lit_grpo.engines.remote.vllm_client``, imported only for that kind.
 
-The weight push is ``WeightPusher.load_weights`` (``lit_grpo.serving.weight_push``); with
-``data.reference_on_server`` pi_ref is pushed too (``load_reference``) and the server scores it
-(``ReferenceScorer``, ``lit_grpo.serving.reference_client``).
+The engine owns one ``ServerConnection`` per server, the weight push (``pusher``, a ``WeightPusher``,
+``lit_grpo.engines.remote.weight_push``) and, for ``data.reference_on_server``, the client of the server's pi_ref
+(``reference``, a ``ReferenceClient``, ``lit_grpo.engines.remote.reference_client``).
 
-Generation is two steps, so that a background thread can run the first:
+Generation is two steps (``RemoteEngine``), so that a background thread can run the first:
 
 - ``request_rollouts``: HTTP only. Every rank sends its own prompts, spread over the servers in contiguous
   chunks, and gets back ``Rollouts``: the completions, or the error that stopped them. No torch.distributed
@@ -28,173 +28,78 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 from torch import nn
 
-from lit_grpo.distributed import GatherBuffer, everyone, rank_and_world
-from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig
-from lit_grpo.serving.protocol import TOKEN_ENV, HTTPClient, ServerError, version_text
-from lit_grpo.serving.reference_client import ReferenceScorer
-from lit_grpo.serving.weight_push import WeightPusher
+from lit_grpo.batch import MicroBatch
+from lit_grpo.distributed import everyone, rank_and_world
+from lit_grpo.engines.base import Completion, ReferenceServing, RemoteEngine, Rollouts, SamplingConfig
+from lit_grpo.engines.options import ServerOptions
+from lit_grpo.engines.remote.connection import ServerConnection
+from lit_grpo.engines.remote.reference_client import ReferenceClient
+from lit_grpo.engines.remote.weight_push import WeightPusher
+from lit_grpo.option_groups import as_group, plain
+from lit_grpo.wire.protocol import TOKEN_ENV, ServerError, version_text
 
-KINDS = ("lit_grpo", "vllm")
 #: seeds of the chunks after the first when prompts are spread over several servers
 CHUNK_SEED_STRIDE = 1_000_003
 SEED_MODULUS = 2**62
 
 
-@dataclass
-class Rollouts:
-    """What one rank's completion requests brought back: ``groups`` (``n`` completions per prompt, in prompt
-    order) when every request succeeded; else ``groups`` is ``None`` and ``error`` says why (naming the server)."""
-
-    groups: list[list[Completion]] | None
-    error: str | None = None
-    #: pi_ref's log-probs of the completions ``[S, C]`` in ``pad_rollouts``' layout and pi_ref's version, when the
-    #: server scored them too (``data.reference_on_server``)
-    reference: tuple[torch.Tensor, str] | None = None
-    reference_seconds: float = 0.0  # how long the server took to score them
-
-
-class ServerConnection:
-    """One server: its HTTP client, the version this trainer last pushed to it and, on rank 0, the weight-transfer
-    group (project's server) or vLLM's trainer side."""
-
-    def __init__(self, url: str, token: str | None, timeout_s: float) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"server url must look like http://HOST:PORT, got {url!r}")
-        self.url = url.rstrip("/")
-        self.host = parts.hostname
-        self.client = HTTPClient(url, token, timeout_s)
-        self.expected_version: str | None = None  # what this trainer last pushed to it
-        self.group = None
-        self.store = None
-        self.listener = None
-        self.vllm = None  # (client, source, trainer engine) for kind vllm
-
-    def close_group(self) -> None:
-        from lit_grpo.serving.weight_transfer import close_group
-
-        close_group(self.group)
-        if self.listener is not None:
-            self.listener.close()
-        self.group = self.store = self.listener = None
-
-
-class ServerEngine(WeightPusher, ReferenceScorer, RolloutEngine):
+class ServerEngine(RemoteEngine, ReferenceServing):
     """Rollouts from rollout servers (``data.engine: server``, ``data.engine_options: {url: ..., ...}``).
 
     Args:
-        url / urls: one server, or several (each step's prompts are spread over them; weights go to all).
-        token / token_file: the servers' bearer token; default ``$LIT_GRPO_SERVER_TOKEN``. Prefer the
-            environment or a file: a config's values are saved with the run.
-        timeout_s: limit of every control call and of each bucket's transfer; keep it below the trainer's
-            process-group timeout, since the other ranks wait in a gather while rank 0 sends a bucket.
-        generate_timeout_s: limit of one completion request (and of waiting for a paused server).
-        kind: ``lit_grpo`` (``python -m lit_grpo serve``) or ``vllm`` (``vllm serve`` 0.32 or 0.33 in dev mode).
-        bucket_mb: size of the buckets rank 0 gathers, then sends (lit_grpo kind).
-        backend: ``gloo`` (CPU) or ``nccl`` (GPU) for the weight transfer. Default: ``gloo`` for the project's
-            server, ``nccl`` for vLLM (a CPU ``vllm serve`` takes ``gloo`` when started with
-            ``--weight-transfer-config '{"backend": "gloo"}'``, see ``lit_grpo.serving.vllm_gloo``).
-        transfer_address: this machine's address the server connects to (default: the one that routes to it).
-        dtype: the weights' dtype on the wire, which must be the server's (default: the one the project's server
-            reports; ``bfloat16`` for vLLM).
-        rescore: ``True``: when the server holds the policy's current weights (synced at this optimizer step),
-            alpha = pi_k and the trainer's first forward gives alpha's log-probs (first-iteration ratio exactly 1;
-            needs ``data.reuse_policy_logprobs``). Otherwise the server's sampler log-probs are alpha's. Default:
-            ``True`` for the project's server, ``False`` for vLLM (whose kernels differ from the trainer's).
-        stop_token_ids: token ids that end a completion besides the server's EOS (the data module passes the
-            trainer's EOS ids, so both engines stop alike).
         policy: the policy module, or a callable returning it; vLLM's transfer needs its parameter names and
             shapes before the first gather (the data module passes it).
-        lockstep: after generating, agree over the ranks that every request succeeded (one all-reduce), so a
-            failure stops every rank at once.
-        packed: send a bucket's tensors packed into one ``uint8`` buffer (one broadcast per bucket).
+        serves_reference: the data module asks the servers for pi_ref's log-probs (``data.reference_on_server``),
+            so ``WeightSync`` pushes pi_ref to them before the policy.
+        **options: the fields of ``lit_grpo.engines.options.ServerOptions`` (``url`` or ``urls``, ``token``,
+            ``timeout_s``, ``kind``, ``bucket_mb``, ...), which documents them.
     """
 
-    def __init__(
-        self,
-        url: str | None = None,
-        urls: list[str] | None = None,
-        token: str | None = None,
-        token_file: str | None = None,
-        timeout_s: float = 60.0,
-        generate_timeout_s: float = 900.0,
-        kind: str = "lit_grpo",
-        bucket_mb: float = 64.0,
-        backend: str | None = None,
-        transfer_address: str | None = None,
-        dtype: str | None = None,
-        rescore: bool | None = None,
-        stop_token_ids: Iterable[int] | None = None,
-        policy: nn.Module | Callable[[], nn.Module] | None = None,
-        lockstep: bool = True,
-        packed: bool = True,
-    ) -> None:
-        from lit_grpo.serving.weight_transfer import BACKENDS, DTYPES
-
-        if (url is None) == (urls is None):
+    def __init__(self, policy: nn.Module | Callable[[], nn.Module] | None = None, serves_reference: bool = False,
+                 **options: Any) -> None:
+        options = self.options = as_group(ServerOptions, options, "ServerEngine")
+        if (options.url is None) == (options.urls is None):
             raise ValueError("ServerEngine needs exactly one of url (one server) and urls (a list of servers)")
-        urls = [url] if url is not None else list(urls or [])
+        urls = [options.url] if options.url is not None else list(options.urls or [])
         if not urls or len(set(urls)) != len(urls) or not all(isinstance(u, str) for u in urls):
             raise ValueError(f"urls must be a non-empty list of distinct server URLs, got {urls!r}")
-        if kind not in KINDS:
-            raise ValueError(f"unknown server kind {kind!r}; expected one of {KINDS}")
-        for name, value in (("timeout_s", timeout_s), ("generate_timeout_s", generate_timeout_s),
-                            ("bucket_mb", bucket_mb)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        if backend is None:
-            backend = "nccl" if kind == "vllm" else "gloo"
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-        if dtype is not None and dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
-        if token is None and token_file is not None:
-            with open(os.path.expanduser(token_file)) as f:
+        token = options.token
+        if token is None and options.token_file is not None:
+            with open(os.path.expanduser(options.token_file)) as f:
                 token = f.read().strip()
         if token is None:
             token = os.environ.get(TOKEN_ENV, "").strip() or None
-        if token is None and kind == "lit_grpo":
+        if token is None and options.kind == "lit_grpo":
             raise ValueError(f"ServerEngine needs the server's token: engine_options.token, token_file or ${TOKEN_ENV}")
-        self.kind = kind
-        self.timeout_s = float(timeout_s)
-        self.generate_timeout_s = float(generate_timeout_s)
-        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
-        self.backend = backend
-        self.transfer_address = transfer_address
-        self.rescore = (kind == "lit_grpo") if rescore is None else bool(rescore)
-        self.stop_token_ids = sorted({int(t) for t in stop_token_ids}) if stop_token_ids is not None else []
-        self._policy = policy
-        self.lockstep = bool(lockstep)
-        self.packed = bool(packed)
+        self.kind = options.kind
+        self.timeout_s = float(options.timeout_s)
+        self.generate_timeout_s = float(options.generate_timeout_s)
+        self.rescore = (options.kind == "lit_grpo") if options.rescore is None else bool(options.rescore)
+        stops = options.stop_token_ids
+        self.stop_token_ids = sorted({int(t) for t in stops}) if stops is not None else []
+        self.lockstep = bool(options.lockstep)
         self.servers = [ServerConnection(u, token, self.timeout_s) for u in urls]
         self.synced_step = 0
         self.reference_version: str | None = None  # the label of the pi_ref pushed to the servers
-        #: set by the data module (``data.reference_on_server``): WeightSync pushes pi_ref before the policy
-        self.serves_reference = False
+        self.serves_reference = bool(serves_reference)
         #: called on every rank before each push (the asynchronous producer's ``drain``), see ``load_weights``
         self.before_push: list[Callable[[], None]] = []
-        #: rank 0's timing of the last push to the project's servers: begin (pause, start), gather (the
-        #: iterator: FSDP gathers and casts), send (pack, announce, broadcast), finish (swap, version, resume)
-        self.last_push: dict[str, float] = {}
-        self._pack_buffer: torch.Tensor | None = None
-        #: rank 0's receive memory for the FSDP2 gather (``rank0_buckets``), kept across pushes
-        self._gather_buffer = GatherBuffer()
-        self.dtype = self._server_dtype(dtype)
+        self.pusher = WeightPusher(self.servers, options, self._server_dtype(options.dtype), policy)
+        self.reference = ReferenceClient(self.servers[0], self.generate_timeout_s)
 
     # ---- servers ------------------------------------------------------------------------------------
     def _server_dtype(self, requested: str | None) -> torch.dtype:
         """Check every server answers (URL and token right) and agree on the dtype weights travel in."""
-        from lit_grpo.serving.weight_transfer import dtype_from_name
+        from lit_grpo.wire.weight_transfer import dtype_from_name
 
         if self.kind == "vllm":
-            from lit_grpo.serving.vllm_client import vllm_dtype
+            from lit_grpo.engines.remote.vllm_client import vllm_dtype
 
             return vllm_dtype(self.servers, requested)
         found = set()
@@ -210,14 +115,6 @@ class ServerEngine(WeightPusher, ReferenceScorer, RolloutEngine):
             raise ValueError(f"dtype {requested!r} was asked for, but the server holds {served!r}")
         return dtype_from_name(served)
 
-    def policy(self) -> nn.Module:
-        """The policy module (given, or returned by the given callable)."""
-        policy = self._policy() if callable(self._policy) and not isinstance(self._policy, nn.Module) else self._policy
-        if policy is None:
-            raise ValueError("kind 'vllm' needs the policy module (engine option `policy`) to declare the "
-                             "parameters' names and shapes before they are gathered")
-        return policy
-
     def weight_versions(self) -> dict[str, str | None]:
         """The ``weight_version`` each server reports now."""
         return {s.url: version_text(s.client.get("/weight_info").get("weight_version")) for s in self.servers}
@@ -230,12 +127,58 @@ class ServerEngine(WeightPusher, ReferenceScorer, RolloutEngine):
         for server in self.servers:
             server.close_group()
 
-    # ---- generation ---------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
-        """``n`` completions per prompt from the servers; all ranks stop together if one request fails
-        (``request_rollouts``, then ``check_lockstep``)."""
-        return self.check_lockstep(self.request_rollouts(prompts, n, sampling, seed))
+    # ---- weights ------------------------------------------------------------------------------------
+    def _before_push(self) -> None:
+        """Every rank runs the hooks (the asynchronous producer's drain: batches already requested finish first),
+        then, when there are any, waits for the others, so that rank 0 pauses the servers only once every rank's
+        requests are in."""
+        for hook in self.before_push:
+            hook()
+        if self.before_push and rank_and_world()[1] > 1:
+            everyone(True)
 
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
+        """Push the full parameters to every server (``WeightPusher.push``: rank 0 sends, every rank gathers), then
+        record the version the servers report. Raises ``ServerError`` on every rank if the push failed on any
+        server; a server left behind keeps its previous weights and version."""
+        self._before_push()
+        try:
+            versions = self.pusher.push(named_tensors, str(int(step)), "policy")
+        except ServerError:
+            for server in self.servers:  # its version is no longer known on any rank
+                server.expected_version = None
+            raise
+        for server in self.servers:
+            server.expected_version = versions[server.url]
+        self.synced_step = int(versions[self.servers[0].url])
+
+    @torch.no_grad()
+    def load_reference(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
+        """Push pi_ref's full parameters into every project server's copy of pi_ref (``data.reference_on_server``),
+        labelled ``version``; the same transfer as ``load_weights``, and the rollout policy is untouched.
+
+        The label changes only once the push is through, and is cleared only when it failed: a scoring job of the
+        asynchronous producer may have passed its check of the label and not yet read it when the push begins,
+        and the push drains the producer first. Until the servers swap (all or nothing, at the end of the push)
+        they hold, and score with, the previous pi_ref, which the label names."""
+        if self.kind != "lit_grpo":
+            raise ValueError(f"pi_ref can be pushed to the project's server only, not to kind {self.kind!r}")
+        self._before_push()
+        try:
+            self.pusher.push(named_tensors, str(version), "reference")
+        except ServerError:
+            self.reference_version = None  # which pi_ref each server holds is no longer known
+            raise
+        self.reference_version = str(version)
+
+    def score_reference(self, micro_batches: list[MicroBatch], num_sequences: int, width: int, temperature: float,
+                        autocast: str | None = None) -> tuple[torch.Tensor, str]:
+        """pi_ref's log-probs from the first server (``ReferenceClient.score``), for the pi_ref last pushed."""
+        return self.reference.score(micro_batches, num_sequences, width, temperature, autocast,
+                                    self.reference_version)
+
+    # ---- generation ---------------------------------------------------------------------------------
     def request_rollouts(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> Rollouts:
         """This rank's completion requests, HTTP only: no torch.distributed call, so it is safe on a background
         thread. The prompts are spread over the servers in contiguous chunks, one request per chunk, sent in
@@ -270,7 +213,7 @@ class ServerEngine(WeightPusher, ReferenceScorer, RolloutEngine):
         (a contiguous chunk of prompts, seeded as one ``TransformersEngine.generate`` call: with one server the
         rollouts equal the in-process engine's). vLLM gets one request per prompt (``vllm_requests``)."""
         if self.kind == "vllm":
-            from lit_grpo.serving.vllm_client import vllm_requests
+            from lit_grpo.engines.remote.vllm_client import vllm_requests
 
             return vllm_requests(self.servers, prompts, n, seed)
         chunks = min(len(self.servers), len(prompts))
@@ -357,10 +300,6 @@ class ServerEngine(WeightPusher, ReferenceScorer, RolloutEngine):
         return [completions[p * n : (p + 1) * n] for p in range(num_prompts)]
 
     # ---- the rest of the interface ------------------------------------------------------------------
-    def score(self, batch, temperature: float) -> torch.Tensor | None:  # noqa: ANN001
-        """``None``: the server's sampler log-probs are alpha's (and alpha = pi_k when synced, see ``rescore``)."""
-        return None
-
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """``None``: the weights live in the server. A checkpoint taken while the server lags the policy (v > 1,
         between syncs) therefore cannot restore it; the resumed run pushes the current policy instead
@@ -369,13 +308,11 @@ class ServerEngine(WeightPusher, ReferenceScorer, RolloutEngine):
         return None
 
 
-def check_servers(engine_options: dict[str, Any]) -> None:
-    """Before anything loads: the engine options are valid and every server answers with the right token.
-    Raises ``ValueError`` (one line, naming the URL) otherwise, so the CLI reports it as a usage error."""
+def check_servers(options: ServerOptions) -> None:
+    """Before anything loads: every server answers with the right token. Raises ``ValueError`` (one line, naming
+    the URL) otherwise, so the CLI reports it as a usage error."""
     try:
-        ServerEngine(**engine_options).close()
+        ServerEngine(**plain(options)).close()
     except ServerError as err:
         raise ValueError(f"the rollout server does not answer: {err}. Start it first (python -m lit_grpo serve) "
                          "or fix data.engine_options") from None
-    except TypeError as err:
-        raise ValueError(f"bad data.engine_options for a rollout server: {err}") from None

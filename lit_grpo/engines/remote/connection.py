@@ -8,7 +8,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from lit_grpo.distributed import close_at_exit
-from lit_grpo.serving.protocol import HTTPClient
+from lit_grpo.wire.protocol import HTTPClient
 
 
 class ServerConnection:
@@ -37,7 +37,7 @@ class ServerConnection:
 
     def close_group(self) -> None:
         """Drop the weight-transfer group: the last reference to a gloo group joins its worker threads."""
-        from lit_grpo.serving.weight_transfer import close_group
+        from lit_grpo.wire.weight_transfer import close_group
 
         close_group(self.group)
         if self.listener is not None:

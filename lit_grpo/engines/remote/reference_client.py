@@ -1,43 +1,37 @@
 """The trainer's side of pi_ref on the rollout server (``data.reference_on_server``): ask for pi_ref's log-probs
-of a batch's completions (``ReferenceScorer``, a part of ``ServerEngine``). The push of pi_ref itself is
-``WeightPusher.load_reference``; the server's side is ``lit_grpo.serving.reference_routes``.
+of a batch's completions (``ReferenceClient``, owned by ``ServerEngine``). The push of pi_ref itself is
+``ServerEngine.load_reference``; the server's side is ``lit_grpo.serve.reference_routes``.
 
-``score_reference`` does HTTP only (no collective), so the asynchronous producer runs it right after a batch's
-completions come back, while the trainer updates on the batch before.
+``score`` does HTTP only (no collective), so the asynchronous producer runs it right after a batch's completions
+come back, while the trainer updates on the batch before.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from lit_grpo.batch import MicroBatch
-from lit_grpo.serving.protocol import ServerError, version_text
-
-if TYPE_CHECKING:
-    from lit_grpo.serving.client import ServerConnection
+from lit_grpo.engines.remote.connection import ServerConnection
+from lit_grpo.wire.protocol import ServerError, version_text
 
 
-class ReferenceScorer:
-    """``score_reference`` of ``ServerEngine``; ``reference_version`` is the label of the pi_ref this trainer
-    last pushed (``None``: none yet, or the last push failed)."""
+class ReferenceClient:
+    """pi_ref's log-probs from one server (``server``), each request within ``timeout_s``."""
 
-    servers: list[ServerConnection]
-    kind: str
-    generate_timeout_s: float
-    reference_version: str | None
+    def __init__(self, server: ServerConnection, timeout_s: float) -> None:
+        self.server = server
+        self.timeout_s = timeout_s
 
-    def score_reference(self, micro_batches: list[MicroBatch], num_sequences: int, width: int,
-                        temperature: float, autocast: str | None = None) -> tuple[torch.Tensor, str]:
+    def score(self, micro_batches: list[MicroBatch], num_sequences: int, width: int, temperature: float,
+              autocast: str | None, version: str | None) -> tuple[torch.Tensor, str]:
         """pi_ref's log-probs of every completion token, ``[num_sequences, width]`` (zero where no micro-batch
-        reaches: padding), computed by the first server on exactly these micro-batches, one request each (under
-        ``autocast``, the trainer's mixed-precision dtype, when given), and the version of pi_ref it used. Raises
-        ``ServerError`` when nothing was pushed or the server answers oddly."""
-        version = self.reference_version
+        reaches: padding), computed by the server on exactly these micro-batches, one request each (under
+        ``autocast``, the trainer's mixed-precision dtype, when given), with the pi_ref labelled ``version``, and
+        that version. Raises ``ServerError`` when nothing was pushed (``version`` ``None``) or the server answers
+        oddly."""
         if version is None:
             raise ServerError("no pi_ref was pushed to the rollout server yet (WeightSync pushes it with the policy)")
-        server = self.servers[0]
+        server = self.server
         out = torch.zeros(num_sequences, width, dtype=torch.float32)
         # one request per micro-batch: a body the size of the whole batch grows with prompts x G x tokens and
         # outgrows the server's body limit (--max-body-bytes, 16 MiB) at 64 x 16 x 2,048 tokens; a micro-batch's
@@ -45,7 +39,7 @@ class ReferenceScorer:
         for mb in micro_batches:
             body = {"reference_version": version, "temperature": float(temperature), "autocast": autocast,
                     "micro_batches": [micro_batch_body(mb)]}
-            response = server.client.post("/reference/logprobs", body, timeout_s=self.generate_timeout_s)
+            response = server.client.post("/reference/logprobs", body, timeout_s=self.timeout_s)
             got = version_text(response.get("reference_version"))
             pieces = response.get("logprobs")
             if got != version or not isinstance(pieces, list) or len(pieces) != 1:

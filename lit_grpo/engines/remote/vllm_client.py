@@ -1,6 +1,6 @@
-"""What ``ServerEngine`` does differently for ``kind: vllm``: a ``VLLM_SERVER_DEV_MODE=1 vllm serve M
---weight-transfer-config '{"backend":"nccl"}' --logprobs-mode processed_logprobs`` (vLLM 0.32 or 0.33; with
-``"backend":"gloo"`` on a CPU, through this package's plugin ``lit_grpo.serving.vllm_gloo``).
+"""What ``ServerEngine`` and its ``WeightPusher`` do differently for ``kind: vllm``: a ``VLLM_SERVER_DEV_MODE=1 vllm
+serve M --weight-transfer-config '{"backend":"nccl"}' --logprobs-mode processed_logprobs`` (vLLM 0.32 or 0.33; with
+``"backend":"gloo"`` on a CPU, through this package's plugin ``lit_grpo.wire.vllm_gloo``).
 
 - Requests: vLLM gives the prompts of one request the same seeds, so each prompt is a request of its own, seeded
   like ``VLLMEngine`` (``vllm_requests``).
@@ -15,17 +15,16 @@ optional extra).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from lit_grpo.distributed import full_named_parameters, is_fsdp1
-from lit_grpo.serving.protocol import ServerError, version_text
-
-if TYPE_CHECKING:
-    from lit_grpo.serving.client import ServerConnection, ServerEngine
+from lit_grpo.engines.options import ServerOptions
+from lit_grpo.engines.remote.connection import ServerConnection
+from lit_grpo.wire.protocol import ServerError, version_text
 
 #: the wire dtype when none is asked for
 DEFAULT_DTYPE = "bfloat16"
@@ -33,7 +32,7 @@ DEFAULT_DTYPE = "bfloat16"
 
 def vllm_dtype(servers: list[ServerConnection], requested: str | None) -> torch.dtype:
     """Check every server answers (URL and token right) and return the dtype weights travel in."""
-    from lit_grpo.serving.weight_transfer import dtype_from_name
+    from lit_grpo.wire.weight_transfer import dtype_from_name
 
     for server in servers:
         server.client.get("/get_world_size")
@@ -49,7 +48,8 @@ def vllm_requests(servers: list[ServerConnection], prompts: list[list[int]], n: 
     return [(servers[p * k // len(prompts)], [p], prompt_seed(seed, p, n)) for p in range(len(prompts))]
 
 
-def vllm_parts(engine: ServerEngine, server: ServerConnection, rank: int) -> tuple[Any, Any, Any]:
+def vllm_parts(server: ServerConnection, options: ServerOptions, dtype: torch.dtype,
+               policy_of: Callable[[], nn.Module], rank: int) -> tuple[Any, Any, Any]:
     """vLLM's trainer side for one server, built once on every rank (rank 0 forms the NCCL group)."""
     if server.vllm is not None:
         return server.vllm
@@ -57,17 +57,17 @@ def vllm_parts(engine: ServerEngine, server: ServerConnection, rank: int) -> tup
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     except ImportError as err:
         raise ImportError("kind 'vllm' needs vLLM's trainer side: pip install 'lit_grpo[vllm]'") from err
-    from lit_grpo.serving.weight_transfer import local_address_towards
+    from lit_grpo.wire.weight_transfer import local_address_towards
 
-    policy = engine.policy()
+    policy = policy_of()
     if is_fsdp1(policy):
         raise ValueError("kind 'vllm' cannot declare FSDP1 (FullyShardedDataParallel) parameters; use FSDP2 "
                          "(ModelParallelStrategy) or DDP")
-    client = versioned_vllm_client(server.url, engine.timeout_s)
-    source = policy_source(policy, engine.dtype)
+    client = versioned_vllm_client(server.url, options.timeout_s)
+    source = policy_source(policy, dtype)
     world = 1 + int(server.client.get("/get_world_size")["world_size"])
-    address = engine.transfer_address or local_address_towards(server.host)
-    info = trainer_init_info(engine.backend, address, world, rank, engine.bucket_bytes, engine.timeout_s)
+    address = options.transfer_address or local_address_towards(server.host)
+    info = trainer_init_info(options.transfer_backend, address, world, rank, options.bucket_bytes, options.timeout_s)
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     server.vllm = (client, source, trainer)
     return server.vllm
@@ -75,12 +75,12 @@ def vllm_parts(engine: ServerEngine, server: ServerConnection, rank: int) -> tup
 
 def trainer_init_info(backend: str, address: str, world: int, rank: int, bucket_bytes: int, timeout_s: float) -> Any:
     """vLLM's trainer-side init info for the push ``backend``: its own ``nccl`` (GPUs), or this package's ``gloo``
-    (``lit_grpo.serving.vllm_gloo``; the server must run with ``--weight-transfer-config '{"backend": "gloo"}'``).
+    (``lit_grpo.wire.vllm_gloo``; the server must run with ``--weight-transfer-config '{"backend": "gloo"}'``).
     Either way the rest of the push is the same ``trainer_init`` / ``send_weights``."""
     from lit_grpo.engines.vllm_engine import free_port
 
     if backend == "gloo":
-        from lit_grpo.serving.vllm_gloo import trainer_init_info as gloo_init_info
+        from lit_grpo.wire.vllm_gloo import trainer_init_info as gloo_init_info
 
         return gloo_init_info(address, world, rank, bucket_bytes, timeout_s)
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
@@ -88,16 +88,19 @@ def trainer_init_info(backend: str, address: str, world: int, rank: int, bucket_
     return NCCLTrainerInitInfo(address, free_port() if rank == 0 else 0, world, rank=rank)
 
 
-def push_vllm(engine: ServerEngine, iterator: Iterator[tuple[str, torch.Tensor]], step: int, rank: int) -> dict:
+def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: torch.dtype,
+              policy: Callable[[], nn.Module], iterator: Iterator[tuple[str, torch.Tensor]], step: int,
+              rank: int) -> dict:
     """Every rank runs vLLM's ``send_weights`` (the sender broadcasts, the others only gather). The first
-    server consumes the given iterator; further servers gather the policy again. Returns ``{"error": message}``
-    or ``{"error": None, "versions": {url: version}}`` for ``load_weights`` to share over the ranks."""
+    server consumes the given iterator; further servers gather the ``policy()`` again. Returns
+    ``{"error": message}`` or ``{"error": None, "versions": {url: version}}`` for the push to share over the
+    ranks."""
     failed: list[str] = []
     versions: dict[str, str] = {}
-    for index, server in enumerate(engine.servers):
-        tensors = iterator if index == 0 else full_named_parameters(engine.policy())
+    for index, server in enumerate(servers):
+        tensors = iterator if index == 0 else full_named_parameters(policy())
         try:
-            client, source, trainer = vllm_parts(engine, server, rank)
+            client, source, trainer = vllm_parts(server, options, dtype, policy, rank)
             if rank == 0:
                 server.client.post("/pause", query={"mode": "wait"})
                 client.next_version = str(step)
@@ -117,7 +120,7 @@ def push_vllm(engine: ServerEngine, iterator: Iterator[tuple[str, torch.Tensor]]
                 pass
             if rank == 0:
                 try:
-                    server.client.post("/resume", timeout_s=min(5.0, engine.timeout_s))
+                    server.client.post("/resume", timeout_s=min(5.0, options.timeout_s))
                 except ServerError:
                     pass
     if failed:

@@ -42,7 +42,8 @@ def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
 
 def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
     """Indices of consecutive items grouped into buckets of at most ``bucket_bytes`` (an item larger than that
-    travels alone): the grouping of ``lit_grpo.wire.weight_transfer.buckets``, computed up front so every rank agrees."""
+    travels alone): the grouping of ``lit_grpo.wire.weight_transfer.buckets``, computed up front so every rank
+    agrees."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes!r}")
     plan: list[list[int]] = []

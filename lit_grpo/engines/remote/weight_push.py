@@ -1,19 +1,19 @@
-"""The trainer's side of a weight push to rollout servers (``WeightPusher``, a part of ``ServerEngine``).
+"""The trainer's side of a weight push to rollout servers (``WeightPusher``, owned by ``ServerEngine``).
 
 A push, on either kind of server: ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/update_weights`` (per
 bucket) -> ``/finish_weight_update {"weight_version": "<step>"}`` -> ``GET /weight_info`` -> ``/resume``. To the
 project's server the bytes travel over a process group of the trainer's rank 0 and the server
-(``lit_grpo.serving.weight_transfer``), gloo or NCCL, in buckets announced over HTTP; the vLLM kind uses vLLM's own
-trainer side (``lit_grpo.serving.vllm_client``, imported only for that kind).
+(``lit_grpo.wire.weight_transfer``), gloo or NCCL, in buckets announced over HTTP; the vLLM kind uses vLLM's own
+trainer side (``lit_grpo.engines.remote.vllm_client``, imported only for that kind).
 
-How the ranks take part (``load_weights`` is called on every rank with an iterator whose iteration gathers the
-full parameters, a collective):
+How the ranks take part (``push`` is called on every rank with an iterator whose iteration gathers the full
+parameters, a collective):
 
 - every rank takes part in the gathers; only rank 0 talks to the servers. For an FSDP2 policy (the
   ``full_named_parameters`` iterator ``WeightSync`` passes, not yet started) the gather goes to rank 0 only
-  (``lit_grpo.distributed.rank0_buckets``): the other ranks send their shards point to point, one bucket at a
-  time, into a receive buffer rank 0 keeps across pushes, instead of every rank all-gathering every parameter;
-  anything else is iterated on every rank as given. Rank 0 sends a bucket (``bucket_mb``) as soon as its gathers
+  (``weight_gather.rank0_buckets``): the other ranks send their shards point to point, one bucket at a time, into
+  a receive buffer rank 0 keeps across pushes, instead of every rank all-gathering every parameter; anything else
+  is iterated on every rank as given. Rank 0 sends a bucket (``bucket_mb``) as soon as its gathers
   are done and before the next gather, so no trainer collective interleaves with a transfer and rank 0 never
   holds more than one bucket beyond its own shards;
 - the bytes go out on a daemon thread while the HTTP call, with a timeout, stays on the main thread; every
@@ -23,8 +23,9 @@ full parameters, a collective):
 - rank 0 keeps consuming the iterator after a failure (the other ranks are in the gathers), then every rank
   learns the outcome in one ``all_gather_object`` and they raise together: a dead server stops training within
   ``timeout_s`` with its URL in the message, and no rank waits on a collective;
-- ``synced_step`` is the ``weight_version`` the server reports after the push (every rank gets rank 0's); each
-  completion carries the version it was sampled with, and rollouts from any other version are refused.
+- ``push`` returns the ``weight_version`` each server reports after it (every rank gets rank 0's), which
+  ``ServerEngine`` records as ``synced_step``; each completion carries the version it was sampled with, and rollouts
+  from any other version are refused.
 """
 
 from __future__ import annotations
@@ -32,23 +33,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from lit_grpo.distributed import (
-    GatherBuffer,
-    all_gather_objects,
-    everyone,
-    fsdp2_source,
-    rank0_buckets,
-    rank_and_world,
-)
-from lit_grpo.serving.protocol import ServerError, version_text
-
-if TYPE_CHECKING:
-    from lit_grpo.serving.client import ServerConnection
+from lit_grpo.distributed import all_gather_objects, rank_and_world
+from lit_grpo.engines.options import ServerOptions
+from lit_grpo.engines.remote.connection import ServerConnection
+from lit_grpo.engines.remote.weight_gather import GatherBuffer, fsdp2_source, rank0_buckets
+from lit_grpo.wire.protocol import ServerError, version_text
 
 #: seconds the main thread waits for a bucket's broadcast beyond ``timeout_s``, so that the transfer group's own
 #: timeout (the same ``timeout_s``) is what reports a stuck transfer
@@ -65,74 +59,60 @@ def transfer_error(url: str, tensors: int, error: BaseException | None, timeout_
 
 
 class WeightPusher:
-    """``load_weights`` of ``ServerEngine`` and the push to the project's servers; ``ServerEngine`` holds the
-    settings it reads (servers, kind, timeout, bucket size, backend, wire dtype, packing)."""
+    """The push of full weights to the servers of one ``ServerEngine``: the gathers on every rank, rank 0's buckets
+    and transfers, the outcome shared over the ranks. It owns rank 0's buffers, kept across pushes (the FSDP2
+    gather's receive memory, the packing buffer), and the timing of the last push.
 
-    servers: list[ServerConnection]
-    kind: str
-    timeout_s: float
-    bucket_bytes: int
-    backend: str
-    transfer_address: str | None
-    dtype: torch.dtype
-    packed: bool
-    synced_step: int
-    reference_version: str | None
-    before_push: list[Callable[[], None]]
-    last_push: dict[str, float]
-    _pack_buffer: torch.Tensor | None
-    _gather_buffer: GatherBuffer
+    Args:
+        servers: the engine's connections (their groups and versions are the push's to update).
+        options: the engine's options (kind, timeouts, bucket size, backend, transfer address, packing).
+        dtype: the dtype weights travel in (the servers').
+        policy: the policy module, or a callable returning it (vLLM's transfer declares its parameters first).
+    """
+
+    def __init__(self, servers: list[ServerConnection], options: ServerOptions, dtype: torch.dtype,
+                 policy: nn.Module | Callable[[], nn.Module] | None = None) -> None:
+        self.servers = servers
+        self.options = options
+        self.kind = options.kind
+        self.timeout_s = float(options.timeout_s)
+        self.bucket_bytes = options.bucket_bytes
+        self.backend = options.transfer_backend
+        self.transfer_address = options.transfer_address
+        self.packed = bool(options.packed)
+        self.dtype = dtype
+        self._policy = policy
+        #: rank 0's timing of the last push to the project's servers: begin (pause, start), gather (the
+        #: iterator: FSDP gathers and casts), send (pack, announce, broadcast), finish (swap, version, resume)
+        self.last_push: dict[str, float] = {}
+        self._pack_buffer: torch.Tensor | None = None
+        #: rank 0's receive memory for the FSDP2 gather (``rank0_buckets``), kept across pushes
+        self._gather_buffer = GatherBuffer()
+
+    def policy(self) -> nn.Module:
+        """The policy module (given, or returned by the given callable)."""
+        policy = self._policy() if callable(self._policy) and not isinstance(self._policy, nn.Module) else self._policy
+        if policy is None:
+            raise ValueError("kind 'vllm' needs the policy module (engine option `policy`) to declare the "
+                             "parameters' names and shapes before they are gathered")
+        return policy
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
-        """Push the full parameters to every server (rank 0 sends, every rank gathers), then record the version
-        the servers report. Raises ``ServerError`` on every rank if the push failed on any server; a server left
-        behind keeps its previous weights and version.
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, target: str) -> dict[str, str]:
+        """One push of ``target`` (``policy``, or the servers' copy of pi_ref: ``reference``) on every rank,
+        labelled ``version``; the servers' versions after it, or ``ServerError`` on every rank.
 
         Given a ``full_named_parameters`` iterator of an FSDP2 module that has not started (what ``WeightSync``
         passes), the project's server is fed by ``rank0_buckets``: the other ranks send their shards point to
         point to rank 0, one bucket at a time, instead of every rank all-gathering every parameter. Anything
         else (plain, DDP, FSDP1 modules, weights already gathered) is iterated on every rank as given."""
-        try:
-            versions = self._load(named_tensors, str(int(step)), "policy")
-        except ServerError:
-            for server in self.servers:  # its version is no longer known on any rank
-                server.expected_version = None
-            raise
-        for server in self.servers:
-            server.expected_version = versions[server.url]
-        self.synced_step = int(versions[self.servers[0].url])
-
-    @torch.no_grad()
-    def load_reference(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
-        """Push pi_ref's full parameters into every project server's copy of pi_ref (``data.reference_on_server``),
-        labelled ``version``; the same transfer as ``load_weights``, and the rollout policy is untouched.
-
-        The label changes only once the push is through, and is cleared only when it failed: a scoring job of the
-        asynchronous producer may have passed its check of the label and not yet read it when the push begins,
-        and the push drains the producer first. Until the servers swap (all or nothing, at the end of the push)
-        they hold, and score with, the previous pi_ref, which the label names."""
-        if self.kind != "lit_grpo":
-            raise ValueError(f"pi_ref can be pushed to the project's server only, not to kind {self.kind!r}")
-        try:
-            self._load(named_tensors, str(version), "reference")
-        except ServerError:
-            self.reference_version = None  # which pi_ref each server holds is no longer known
-            raise
-        self.reference_version = str(version)
-
-    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, target: str) -> dict[str, str]:
-        """One push on every rank; the servers' versions after it, or ``ServerError`` on every rank."""
         rank, world = rank_and_world()
-        for hook in self.before_push:  # the asynchronous producer's drain: batches already requested finish first
-            hook()
-        if self.before_push and world > 1:
-            everyone(True)  # so rank 0 pauses the server only once every rank's requests are in
         module = fsdp2_source(named_tensors) if self.kind == "lit_grpo" else None
         if self.kind == "vllm":
-            from lit_grpo.serving.vllm_client import push_vllm
+            from lit_grpo.engines.remote.vllm_client import push_vllm
 
-            outcome = push_vllm(self, iter(named_tensors), int(version), rank)
+            outcome = push_vllm(self.servers, self.options, self.dtype, self.policy, iter(named_tensors),
+                                int(version), rank)
         elif rank == 0:
             outcome = self._push(named_tensors, module, version, target)
         else:
@@ -153,7 +133,7 @@ class WeightPusher:
                  convert: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Rank 0's buckets of full tensors in the wire dtype: gathered to rank 0 by ``rank0_buckets`` (an FSDP2
         ``module``, into a receive buffer kept across pushes), or grouped from the iterator as it is gathered."""
-        from lit_grpo.serving.weight_transfer import buckets
+        from lit_grpo.wire.weight_transfer import buckets
 
         if module is None:
             return buckets(iter(named_tensors), self.bucket_bytes, convert)
@@ -164,7 +144,7 @@ class WeightPusher:
               target: str = "policy") -> dict:
         """Rank 0's push to the project's servers: the buckets are consumed to the end whatever happens (the other
         ranks are in the gathers)."""
-        from lit_grpo.serving.weight_transfer import transport_device
+        from lit_grpo.wire.weight_transfer import transport_device
 
         device = transport_device(self.backend)
         failed: list[Exception] = []
@@ -222,7 +202,7 @@ class WeightPusher:
             server.client.post("/start_weight_update", {"target": target})
 
     def _init_group(self, server: ServerConnection) -> None:
-        from lit_grpo.serving.weight_transfer import local_address_towards, open_group, open_store
+        from lit_grpo.wire.weight_transfer import local_address_towards, open_group, open_store
 
         server.close_group()
         address = self.transfer_address or local_address_towards(server.host)
@@ -252,13 +232,13 @@ class WeightPusher:
             listener.close()
             raise ServerError(f"rollout server {server.url}: the weight-transfer group did not form "
                               f"({joined.get('error', f'no answer within {self.timeout_s:g} s')})")
-        server.group, server.store, server.listener = joined["group"], store, listener
+        server.attach_group(joined["group"], store, listener)
 
     def _payload(self, bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[dict, list[torch.Tensor]]:
         """A bucket's announcement (``update_info``) and the tensors that carry its bytes: one packed ``uint8``
         tensor (a view when the tensors already lie back to back, as ``rank0_buckets`` leaves them; else written
         into a buffer kept across buckets and pushes), or the tensors themselves."""
-        from lit_grpo.serving.weight_transfer import dtype_name, pack, packed_view
+        from lit_grpo.wire.weight_transfer import dtype_name, pack, packed_view
 
         tensors = [t for _, t in bucket]
         info = {"names": [name for name, _ in bucket], "dtype_names": [dtype_name(t.dtype) for t in tensors],
@@ -277,7 +257,7 @@ class WeightPusher:
         The broadcast's wait blocks that thread until the bytes are through or the transfer group's own timeout
         has passed (also with NCCL, whose plain ``wait()`` does not block the host); its failure, or no end
         within the timeout and a grace, is a ``ServerError`` naming the server."""
-        from lit_grpo.serving.weight_transfer import wait_work
+        from lit_grpo.wire.weight_transfer import wait_work
 
         names = info["names"]
         sent: dict[str, Any] = {}
