@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lit_grpo.distributed import close_at_exit
 from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig, ScoringLayout
 from lit_grpo.models import ALIASES
 
@@ -269,6 +270,15 @@ class VLLMEngine(RolloutEngine):
             **options,
         )
         self.sleep()
+        close_at_exit(self.close)
+
+    def close(self) -> None:
+        """Shut vLLM's engine down: its workers and the process groups it made. Runs at exit before
+        ``lit_grpo.distributed`` destroys the remaining groups; vLLM's own finalizer would otherwise run after
+        that and fail on groups already gone. Idempotent (vLLM detaches its finalizer on the first call)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
     # ---- memory -------------------------------------------------------------------------------------
     def sleep(self) -> None:
