@@ -91,3 +91,18 @@ def assert_same_steps(expected: list[dict[str, float]], got: list[dict[str, floa
         for key in want:
             assert have[key] == pytest.approx(want[key], abs=abs_tol), key
     assert len({round(s["train/loss"], 6) for s in expected}) > 1 and any(s["train/kl"] > 0 for s in expected)
+
+
+def start_script_ranks(script: str, workdir, world: int) -> list:  # noqa: ANN001
+    """Start ``world`` copies of ``script`` (argument: ``workdir/out``) as gloo ranks on 127.0.0.1, one thread
+    each, their output in ``workdir/rank{r}.log``; ``[(process, log file)]``."""
+    from pathlib import Path
+
+    port, procs = free_port(), []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                   RANK=str(rank), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+        log = open(Path(workdir) / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, script, str(Path(workdir) / "out")], env=env, stdout=log,
+                                       stderr=subprocess.STDOUT, cwd=Path(script).parent), log))
+    return procs

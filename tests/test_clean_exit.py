@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -113,15 +112,9 @@ def worker(out: Path, count: ThreadCount) -> None:
 def launch(workdir: Path, world: int = 2, timeout_s: float = 120.0) -> tuple[list[int | None], list[str]]:
     """Start ``world`` copies of this file as ranks and let each one end by itself (at most ``timeout_s``);
     their exit codes (``None``: killed at the timeout) and outputs."""
-    from distributed_launch import free_port
+    from distributed_launch import start_script_ranks
 
-    port, procs = free_port(), []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                   RANK=str(rank), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        log = open(workdir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, str(workdir / "out")], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT, cwd=Path(__file__).parent), log))
+    procs = start_script_ranks(__file__, workdir, world)
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
