@@ -26,6 +26,11 @@ memory (``ru_maxrss``).
     python benchmarks/multiprocess_step.py --layouts fsdp2 --steps 5
     python benchmarks/multiprocess_step.py --model tiny-random-llama --steps 2   # quick smoke test
     python benchmarks/multiprocess_step.py --layouts server1 server --max-staleness 0 1 --threads 1 --steps 6
+    python benchmarks/multiprocess_step.py --layouts single server1 --lora-r 0 8 16   # LoRA against full fine-tuning
+
+``--lora-r`` runs each layout once per rank given (0: full fine-tuning; r >= 1: ``model.lora`` with that rank, its
+other settings the defaults of ``lit_grpo.lora.LoraArgs``, and pi_ref = the policy with its adapter off), and records
+the bytes of each weight push (``sync/bytes``): with LoRA only the adapter travels.
 
 Writes ``benchmarks/results/multiprocess_step.json`` and prints a table of medians.
 """
@@ -71,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reference-on-server", action="store_true",
                         help="server layouts: the server also computes pi_ref's log-probs (data.reference_on_server), "
                              "so the trainer skips its reference pass")
+    parser.add_argument("--lora-r", type=int, nargs="+", default=[0],
+                        help="LoRA ranks to run each layout with (0: full fine-tuning, the default)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate (default: 1e-6 for full fine-tuning, 1e-5 with LoRA)")
     parser.add_argument("--output", type=Path, default=OUTPUT)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -85,6 +94,7 @@ def worker(args: argparse.Namespace) -> None:
     from lit_grpo.callbacks import WeightSync
 
     from lit_grpo.data.datamodule import RolloutDataModule
+    from lit_grpo.lora import LoraArgs
     from lit_grpo.module import GRPOModule
     from lit_grpo.optim import OptimizerArgs
 
@@ -101,7 +111,7 @@ def worker(args: argparse.Namespace) -> None:
             m = trainer.callback_metrics
             self.steps.append({"total": now - self.last, "rollout": float(m["rollout/rollout_seconds"]),
                                "update": float(m["train/update_seconds"]), "sync": float(m.get("sync/seconds", 0)),
-                               "reward": float(m["rollout/reward_mean"]),
+                               "reward": float(m["rollout/reward_mean"]), "bytes": float(m.get("sync/bytes", 0)),
                                "reference_served": float(m.get("train/reference_served", 0.0))})
             self.last = time.perf_counter()
 
@@ -119,7 +129,10 @@ def worker(args: argparse.Namespace) -> None:
                         max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[WeightSync(), timer],
                         default_root_dir=str(REPO_ROOT / "benchmarks" / "results" / "lightning_logs"))
-    module = GRPOModule(model_name=args.model, beta=0.1, optimizer=OptimizerArgs(lr=1e-6),
+    lora_r = args.lora_r[0]
+    lr = args.lr if args.lr is not None else (1e-5 if lora_r else 1e-6)
+    module = GRPOModule(model_name=args.model, beta=0.1, optimizer=OptimizerArgs(lr=lr),
+                        lora=LoraArgs(r=lora_r) if lora_r else None,
                         max_completion_length=args.max_new_tokens, monitor_tv_after_update=args.tv_monitor,
                         log_completions_every_n_steps=None)
     data = RolloutDataModule(prompts_per_step=args.prompts // world, num_generations=args.generations,
@@ -156,7 +169,10 @@ def run_ranks(layout: str, args: argparse.Namespace, extra_env: dict[str, str]) 
     world, port = LAYOUTS[layout], free_port()
     argv = [sys.executable, __file__, "--worker", layout, "--model", args.model, "--prompts", str(args.prompts),
             "--generations", str(args.generations), "--max-new-tokens", str(args.max_new_tokens),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--max-staleness", str(args.max_staleness[0])]
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--max-staleness", str(args.max_staleness[0]),
+            "--lora-r", str(args.lora_r[0])]
+    if args.lr is not None:
+        argv += ["--lr", str(args.lr)]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     if args.tv_monitor:
@@ -189,20 +205,25 @@ def main(argv: list[str] | None = None) -> None:
         return
     report = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "args": vars(args) | {
         "output": str(args.output)}, "layouts": {}}
-    print(f"{'layout':10} {'procs':>5} {'step s':>8} {'rollout s':>10} {'update s':>9} {'sync s':>7} "
-          f"{'peak RSS MiB / process':>24}")
+    print(f"{'layout':16} {'procs':>5} {'step s':>8} {'rollout s':>10} {'update s':>9} {'sync s':>7} "
+          f"{'MB / push':>10} {'peak RSS MiB / process':>24}")
     for layout in args.layouts:
-        for k in args.max_staleness if layout in SERVED else [0]:
-            name = f"{layout}-K{k}" if layout in SERVED and args.max_staleness != [0] else layout
-            ranks = run_layout(layout, argparse.Namespace(**{**vars(args), "max_staleness": [k]}))
-            med = {key: statistics.median(s[key] for s in ranks[0]["steps"])
-                   for key in ("total", "rollout", "update", "sync")}
-            report["layouts"][name] = {"ranks": ranks, "median": med}
-            rss = " / ".join(f"{r['peak_rss_mib']:,.0f}" for r in ranks)
-            synchronous = report["layouts"].get(f"{layout}-K0", {}).get("median", {}).get("total")
-            ratio = f"  {med['total'] / synchronous:.2f}x K=0" if k and synchronous else ""
-            print(f"{name:10} {len(ranks):>5} {med['total']:>8.2f} {med['rollout']:>10.2f} {med['update']:>9.2f} "
-                  f"{med['sync']:>7.3f} {rss:>24}{ratio}", flush=True)
+        for r in args.lora_r:
+            for k in args.max_staleness if layout in SERVED else [0]:
+                name = f"{layout}-K{k}" if layout in SERVED and args.max_staleness != [0] else layout
+                name += f"-lora{r}" if r else ("-full" if args.lora_r != [0] else "")
+                ranks = run_layout(layout, argparse.Namespace(**{**vars(args), "max_staleness": [k], "lora_r": [r]}))
+                med = {key: statistics.median(s[key] for s in ranks[0]["steps"])
+                       for key in ("total", "rollout", "update", "sync", "bytes")}
+                report["layouts"][name] = {"ranks": ranks, "median": med}
+                rss = " / ".join(f"{rank['peak_rss_mib']:,.0f}" for rank in ranks)
+                base = name.replace(f"-K{k}", "-K0") if k else None
+                synchronous = report["layouts"].get(base, {}).get("median", {}).get("total") if base else None
+                ratio = f"  {med['total'] / synchronous:.2f}x K=0" if synchronous else ""
+                full = report["layouts"].get(name.replace(f"-lora{r}", "-full"), {}).get("median", {}).get("bytes")
+                share = f"  push {med['bytes'] / full:.2%} of full" if r and full else ""
+                print(f"{name:16} {len(ranks):>5} {med['total']:>8.2f} {med['rollout']:>10.2f} {med['update']:>9.2f} "
+                      f"{med['sync']:>7.3f} {med['bytes'] / 1e6:>10.2f} {rss:>24}{ratio}{share}", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))
 

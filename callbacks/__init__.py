@@ -1,11 +1,14 @@
 """Reusable Lightning callbacks for RL post-training (imported as ``lit_grpo.callbacks``).
 
-They rely on the small protocol in ``lit_grpo.callbacks.protocol``, not on ``GRPOModule``.
+They rely on the protocol in ``lit_grpo.callbacks.protocol`` (``policy``, ``reference``, ``tokenizer``,
+``rollout_engine``), not on ``GRPOModule``, and check it when a fit starts: a module that does not follow it stops with
+one line (a ``ProtocolError``) naming the attribute and what it must be.
 """
 
 from lit_grpo.callbacks.hf_export import HFExport
 from lit_grpo.callbacks.pass_at_k import GSM8KPassAtK
+from lit_grpo.callbacks.protocol import ProtocolError
 from lit_grpo.callbacks.ref_swap import RefModelSwap
 from lit_grpo.callbacks.weight_sync import WeightSync
 
-__all__ = ["GSM8KPassAtK", "HFExport", "RefModelSwap", "WeightSync"]
+__all__ = ["GSM8KPassAtK", "HFExport", "ProtocolError", "RefModelSwap", "WeightSync"]

@@ -7,10 +7,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lit_grpo.callbacks.protocol import full_named_tensors, policy_of
+from lit_grpo.callbacks.protocol import check_hf_export, full_named_tensors, policy_of
 from torch import nn
 
 from lit_grpo.distributed import strip_wrapper_prefixes
+from lit_grpo.lora import cumulative_adapter, is_lora, merged_named_tensors, peft_model_of, write_adapter
 
 
 class HFExport(Callback):
@@ -19,17 +20,31 @@ class HFExport(Callback):
     files; ``AutoModelForCausalLM.from_pretrained(dirpath)`` loads it. The same directory as
     ``python -m lit_grpo export`` writes from a checkpoint.
 
+    A LoRA policy (``model.lora``) is written merged (a plain model), or with ``adapter_only`` as its adapter alone
+    in peft's format, stacked with the adapters its stage swaps merged so that it applies to the starting base.
+
     Sharded (FSDP) weights are gathered one tensor at a time on every rank, as the gather needs; rank zero
     writes, and the other ranks wait until the directory is complete.
     """
 
-    def __init__(self, dirpath: str | Path) -> None:
+    def __init__(self, dirpath: str | Path, adapter_only: bool = False) -> None:
         if not str(dirpath).strip():
             raise ValueError(f"dirpath must name a directory to write the model to, got {dirpath!r}")
         self.dirpath = Path(dirpath).expanduser()
+        self.adapter_only = adapter_only
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Hold the module to the protocol before the first batch, not after the run: a ``policy`` with
+        ``save_pretrained`` (``lit_grpo.callbacks.protocol.check_hf_export``)."""
+        check_hf_export(pl_module)
+        if self.adapter_only and not is_lora(policy_of(pl_module, "HFExport")):
+            raise ValueError("HFExport(adapter_only=True) needs a LoRA policy (model.lora); got one without adapters")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        policy = policy_of(pl_module)
+        policy = policy_of(pl_module, "HFExport")
+        if is_lora(policy):
+            self.write_lora(trainer, pl_module, policy)
+            return
         tensors = full_named_tensors(policy)  # a collective under FSDP: every rank walks it to the end
         if not trainer.is_global_zero:
             for _ in tensors:
@@ -42,6 +57,25 @@ class HFExport(Callback):
             tokenizer = getattr(pl_module, "tokenizer", None)
             if tokenizer is not None:
                 tokenizer.save_pretrained(self.dirpath)
+        trainer.strategy.barrier("HFExport")
+
+
+    def write_lora(self, trainer: L.Trainer, pl_module: L.LightningModule, policy: nn.Module) -> None:
+        """A LoRA policy: merged into the plain model's weights, or its (stacked) adapter alone. Every rank gathers
+        (a collective under FSDP), rank zero writes."""
+        if self.adapter_only:
+            spec, tensors = cumulative_adapter(policy)
+            if trainer.is_global_zero:
+                hparams = getattr(pl_module, "hparams", {})
+                write_adapter(spec, tensors, self.dirpath, base_model=hparams.get("model_name"))
+        else:
+            state = {name: tensor.detach().cpu() for name, tensor in merged_named_tensors(policy)}
+            if trainer.is_global_zero:
+                self.dirpath.mkdir(parents=True, exist_ok=True)
+                peft_model_of(policy).get_base_model().save_pretrained(self.dirpath, state_dict=state)
+        tokenizer = getattr(pl_module, "tokenizer", None)
+        if tokenizer is not None and trainer.is_global_zero:
+            tokenizer.save_pretrained(self.dirpath)
         trainer.strategy.barrier("HFExport")
 
 

@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lit_grpo.callbacks.interval import Interval
-from lit_grpo.callbacks.protocol import policy_of
+from lit_grpo.callbacks.protocol import check_pass_at_k, policy_of
 
 from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
@@ -30,6 +30,9 @@ class GSM8KPassAtK(Callback):
     ``questions_per_chunk``; the metric is a torchmetrics ``PassAtK`` so the mean reduces across processes.
     Sampling is seeded per chunk, so the same weights give the same score on any number of ranks. Under FSDP
     the ranks generate in lockstep (see ``lit_grpo.evaluation``).
+
+    The module must expose ``policy`` (a Hugging Face causal LM) and ``tokenizer`` (a Hugging Face tokenizer; one
+    without a pad token pads with its eos token, and is not changed), checked when the fit starts.
     """
 
     def __init__(
@@ -74,8 +77,8 @@ class GSM8KPassAtK(Callback):
 
     @torch.no_grad()
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[int, float]:
-        results = evaluate_pass_at_k(policy_of(pl_module), pl_module.tokenizer, self.rows, self.settings,
-                                     judge=self.judge, device=pl_module.device)
+        results = evaluate_pass_at_k(policy_of(pl_module, "GSM8KPassAtK"), pl_module.tokenizer, self.rows,
+                                     self.settings, judge=self.judge, device=pl_module.device)
         record = {"step": float(trainer.global_step), **{f"pass@{k}": v for k, v in results.items()}}
         self.history.append(record)
         metrics = {f"eval/pass@{k}": v for k, v in results.items()}
@@ -88,6 +91,11 @@ class GSM8KPassAtK(Callback):
 
     def _evaluated_at(self, step: int) -> bool:
         return bool(self.history) and int(self.history[-1]["step"]) == step
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Hold the module to the protocol before the first batch: a causal-LM ``policy`` and a ``tokenizer``
+        (``lit_grpo.callbacks.protocol.check_pass_at_k``)."""
+        check_pass_at_k(pl_module)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.at_start and not self._evaluated_at(trainer.global_step):

@@ -10,9 +10,10 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from lit_grpo.callbacks.protocol import engine_of, full_named_tensors, policy_of
+from lit_grpo.callbacks.protocol import check_weight_sync, engine_of, full_named_tensors, policy_of, refuse_second
 
-from lit_grpo.engines.base import ReferenceServing, RolloutEngine
+from lit_grpo.engines.base import AdapterEngine, ReferenceServing, RolloutEngine
+from lit_grpo.lora import adapter_update, is_lora, merged_named_tensors, parameter_bytes
 
 
 class WeightSync(Callback):
@@ -35,7 +36,12 @@ class WeightSync(Callback):
 
     Each sync is timed (``sync/seconds``). The engine's weights are saved in checkpoints while they lag the
     policy, so a resumed run samples from exactly the weights it would have used.
+
+    The module must expose ``policy``, and the engine be a ``RolloutEngine`` (passed as ``engine``, or the data
+    module's or the module's ``rollout_engine``): checked when the fit starts (``lit_grpo.callbacks.protocol``).
     """
+
+    syncs_rollout_engine = True  # lit_grpo.engines.base.EngineSyncer: the data module warns when a fit has none
 
     def __init__(self, every_n_batches: int = 1, max_tv: float | None = None, tv_metric: str = "tv/pi_alpha",
                  engine: RolloutEngine | None = None, delay_batches: int = 0) -> None:
@@ -65,6 +71,7 @@ class WeightSync(Callback):
         self.total_sync_seconds = 0.0
         self._restored_engine_state: dict | None = None
         self._restored = False
+        self.last_push_bytes = 0  # `sync/bytes`: bytes of the tensors the last push sent
 
     def push_reference_if_stale(self, engine: RolloutEngine, pl_module: L.LightningModule) -> None:
         """An engine that scores pi_ref itself (``ReferenceServing`` and ``serves_reference``:
@@ -84,11 +91,11 @@ class WeightSync(Callback):
         start = time.perf_counter()
         self.push_reference_if_stale(engine_of(trainer, pl_module, self.engine), pl_module)
         if self.delay_batches:  # take the weights now (a collective under FSDP), deliver them later
-            weights = {name: t.detach().to("cpu", copy=True) for name, t in full_named_tensors(policy_of(pl_module))}
+            weights = {name: t.detach().to("cpu", copy=True) for name, t in self.full_weights(pl_module)}
             self.in_flight.append((self.batches_seen + self.delay_batches, trainer.global_step, weights))
+            self.last_push_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         else:
-            engine = engine_of(trainer, pl_module, self.engine)
-            engine.load_weights(full_named_tensors(policy_of(pl_module)), step=trainer.global_step)
+            self.push(engine_of(trainer, pl_module, self.engine), pl_module, trainer.global_step, first=False)
             self.last_sync_step = trainer.global_step
         self.last_sync_seconds = time.perf_counter() - start
         self.total_sync_seconds += self.last_sync_seconds
@@ -109,6 +116,12 @@ class WeightSync(Callback):
         value = trainer.callback_metrics.get(self.tv_metric)
         return None if value is None else float(value)
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Hold the module to the protocol before the first batch (``check_weight_sync``: ``policy`` and a
+        ``RolloutEngine``), and refuse a second ``WeightSync``."""
+        refuse_second(self, trainer.callbacks, WeightSync)
+        check_weight_sync(trainer, pl_module, self.engine)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = engine_of(trainer, pl_module, self.engine)
         self.push_reference_if_stale(engine, pl_module)
@@ -123,7 +136,34 @@ class WeightSync(Callback):
             )
         # Fresh start (or checkpoint taken right after a sync): the engine must hold the policy's weights.
         start_step = self.last_sync_step if self._restored else trainer.global_step
-        engine.load_weights(full_named_tensors(policy_of(pl_module)), step=start_step)
+        self.push(engine, pl_module, start_step, first=True)
+
+    def full_weights(self, pl_module: L.LightningModule) -> Any:
+        """The policy's full weights under the plain model's names: a LoRA policy's merged view (base plus
+        scale * B @ A per layer), so that an engine that takes no adapters samples from the same policy."""
+        policy = policy_of(pl_module)
+        return merged_named_tensors(policy) if is_lora(policy) else full_named_tensors(policy)
+
+    def push(self, engine: RolloutEngine, pl_module: L.LightningModule, step: int, first: bool) -> None:
+        """Load the policy into ``engine``: a LoRA policy sends an engine that takes adapters (``AdapterEngine``)
+        only the adapter and the merges it has not applied, with the base's hash at the ``first`` push of a fit and
+        with every merge (``lit_grpo.lora.adapter_update``); every other engine gets the full weights. Records the
+        bytes sent (``sync/bytes``)."""
+        policy = policy_of(pl_module)
+        if self.delay_batches and is_lora(policy) and isinstance(engine, AdapterEngine):
+            raise ValueError(f"WeightSync(delay_batches={self.delay_batches}) with a LoRA policy and an engine that "
+                             "takes adapters: delayed pushes carry full weights; use data.max_staleness for "
+                             "asynchronous rollouts, expected delay_batches=0")
+        if is_lora(policy) and isinstance(engine, AdapterEngine):
+            if first and getattr(engine, "needs_base_weights", False):
+                # an in-process copy of a sharded policy holds no values yet: the policy's own tensors, once
+                engine.load_weights(full_named_tensors(policy), step=step)
+            update = adapter_update(policy, engine.merges_applied, with_hash=first, step=step)
+            engine.load_adapter(update, step)
+            self.last_push_bytes = update.nbytes
+            return
+        engine.load_weights(self.full_weights(pl_module), step=step)
+        self.last_push_bytes = parameter_bytes(policy)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -141,6 +181,7 @@ class WeightSync(Callback):
             self.syncs_by_interval += int(by_interval)
             self.syncs_by_tv += int(by_tv and not by_interval)
             pl_module.log("sync/seconds", self.last_sync_seconds, on_step=True, batch_size=1)
+            pl_module.log("sync/bytes", float(self.last_push_bytes), on_step=True, batch_size=1)
         self.deliver_due(trainer, pl_module)
         pl_module.log("sync/count", float(self.num_syncs), on_step=True, batch_size=1)
         pl_module.log("sync/by_interval", float(self.syncs_by_interval), on_step=True, batch_size=1)

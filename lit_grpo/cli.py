@@ -1,6 +1,12 @@
 """``python -m lit_grpo fit --config configs/X.yaml``: LightningCLI over GRPOModule and RolloutDataModule, with the
 method's callbacks as config sections of their own and the links that keep one sampling config and one seed.
 
+``validate`` and ``test`` report the ``eval`` section's Pass@k (``validate`` on ``eval.split``, ``test`` on the test
+split) and ``predict`` writes completions to a JSONL file (the ``predictions`` section): see
+:mod:`lit_grpo.cli_subcommands`. ``--optimizer`` and ``--lr_scheduler`` are not offered (the module's
+``model.optimizer`` group builds AdamW and its schedule); ``trainer.gradient_clip_val`` is applied as
+``model.gradient_clip_val``; ``trainer.accumulate_grad_batches`` is refused in one line.
+
 :mod:`lit_grpo.commands` is the one entry (``python -m lit_grpo``, ``lit-grpo``, and this module's ``main`` and
 ``run``, which are its own): it runs ``export``, ``eval`` and ``serve`` without importing Lightning and reaches
 :func:`train` for the training subcommands. A bad value ends with one line on stderr and exit status 2; how its key
@@ -10,24 +16,55 @@ and source are found is :mod:`lit_grpo.cli_errors`.
 from __future__ import annotations
 
 import importlib
+import os
+import time
 import warnings
 from typing import Any
 
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
 from lit_grpo.cli_errors import OneLineErrorsCLI, report_usage_errors
 from lit_grpo.cli_hooks import build_model_last
+from lit_grpo.cli_subcommands import (
+    PredictOptions,
+    evaluation_rows,
+    log_pass_at_k,
+    pass_at_k,
+    pass_at_k_table,
+    prediction_rows,
+    predictions,
+    write_jsonl,
+)
 from lit_grpo.commands import DEBUG_ENV, TOOLS, UsageError, main, one_line, run
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.module import GRPOModule
 from lit_grpo.precision import check_trainer_precision
+from lit_grpo.trainer_knobs import trainer_knob_error
 
 # the entry points and the error convention are lit_grpo.commands'; re-exported for callers of lit_grpo.cli
 __all__ = ["DEBUG_ENV", "GRPOCLI", "TOOLS", "UsageError", "main", "one_line", "run", "train"]
 
 
+SEED_ENV = "PL_GLOBAL_SEED"
+#: the section callbacks that Lightning allows once per trainer (one state key each) -> (section, its options)
+SECTION_CALLBACKS: dict[type, tuple[str, str]] = {
+    WeightSync: ("sync", "e.g. sync.every_n_batches, sync.max_tv"),
+    RefModelSwap: ("ref_swap", "e.g. ref_swap.max_swaps, ref_swap.every_n_batches"),
+}
+
+
 def rollout_seed_of(seed_everything: object) -> int:
-    """``data.seed`` from ``seed_everything``: the integer itself, else 0."""
-    return seed_everything if isinstance(seed_everything, int) and not isinstance(seed_everything, bool) else 0
+    """``data.seed`` from ``seed_everything``, the seed Lightning seeds with: an integer is itself; ``true`` (the
+    default) is ``$PL_GLOBAL_SEED`` where it is set, as ``lightning.seed_everything()`` reads it, else 0; ``false``
+    (no global seeding) leaves the rollouts at the fixed seed 0. A malformed variable also gives 0 here: the CLI
+    refuses it in one line (``GRPOCLI.parse_arguments``)."""
+    if isinstance(seed_everything, int) and not isinstance(seed_everything, bool):
+        return seed_everything
+    if seed_everything is True:
+        try:
+            return int(os.environ.get(SEED_ENV, "0"))
+        except ValueError:
+            return 0
+    return 0
 
 
 class GRPOCLI(OneLineErrorsCLI):
@@ -53,6 +90,22 @@ class GRPOCLI(OneLineErrorsCLI):
         # `false` leave the rollouts at seed 0.
         parser.link_arguments("seed_everything", "data.seed", compute_fn=rollout_seed_of)
 
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any):  # noqa: ANN202
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "predict":  # its options only (lit_grpo.cli_hooks: hook 5)
+            parser.add_class_arguments(PredictOptions, "predictions")
+        return parser
+
+    def parse_arguments(self, parser, args) -> None:  # noqa: ANN001
+        super().parse_arguments(parser, args)
+        # LightningCLI seeds from PL_GLOBAL_SEED when seed_everything is true, with a traceback for a bad value
+        env = os.environ.get(SEED_ENV)
+        if self._subcommand_config().get("seed_everything") is True and env is not None:
+            try:
+                int(env)
+            except ValueError:
+                raise UsageError(f"{SEED_ENV}={env!r} is not an integer seed", "the environment") from None
+
     def instantiate_classes(self) -> None:
         # build the model last, so that a bad value of the data module or a callback group (cheap to build, and
         # checking their values) fails before a model is loaded
@@ -60,7 +113,10 @@ class GRPOCLI(OneLineErrorsCLI):
         super().instantiate_classes()
 
     def check_values(self) -> None:
-        self._check_no_second_weight_sync()
+        self._check_no_second_section_callback()
+        self._map_trainer_knobs()
+        if self.subcommand in ("validate", "test", "predict"):
+            self._check_one_process()
         precision = self._subcommand_config().get("trainer.precision")
         if precision is not None:
             try:  # the trainer is built after the model: check its precision before the model loads
@@ -68,20 +124,111 @@ class GRPOCLI(OneLineErrorsCLI):
             except ValueError as err:
                 raise UsageError(str(err), self._where("trainer.precision")) from err
 
-    def _check_no_second_weight_sync(self) -> None:
-        # The `sync` section always adds a WeightSync; a second one under trainer.callbacks would make Lightning
-        # refuse two stateful callbacks of one type, with a message that does not say what to do.
+    def _check_no_second_section_callback(self) -> None:
+        # The `sync` and `ref_swap` sections always add a WeightSync and a RefModelSwap; a second one under
+        # trainer.callbacks would make Lightning refuse two stateful callbacks of one type, with a message that
+        # does not say what to do. (GSM8KPassAtK may appear twice: its state key holds its period.)
         for name in _callback_class_paths(self._subcommand_config().get("trainer.callbacks")):
             module, _, attr = name.rpartition(".")
             try:
                 cls = getattr(importlib.import_module(module), attr)
             except (ImportError, AttributeError, ValueError):
                 continue  # jsonargparse has checked the path; nothing more to say here
-            if isinstance(cls, type) and issubclass(cls, WeightSync):
-                raise UsageError(
-                    f"a {cls.__name__} under trainer.callbacks would be a second one: the `sync` section already "
-                    f"adds the WeightSync callback; set its options there (e.g. sync.every_n_batches, sync.max_tv) "
-                    f"and remove {cls.__name__} from trainer.callbacks", self._where("trainer.callbacks", exact=True))
+            for section_class, (section, options) in SECTION_CALLBACKS.items():
+                if isinstance(cls, type) and issubclass(cls, section_class):
+                    raise UsageError(
+                        f"a {cls.__name__} under trainer.callbacks would be a second one: the `{section}` section "
+                        f"already adds the {section_class.__name__} callback; set its options there ({options}) "
+                        f"and remove {cls.__name__} from trainer.callbacks",
+                        self._where("trainer.callbacks", exact=True))
+
+    def _map_trainer_knobs(self) -> None:
+        """``trainer.gradient_clip_val`` becomes ``model.gradient_clip_val`` (the module clips in its manual
+        optimization, where Lightning's own clipping is refused); the knobs with no equivalent are refused."""
+        config = self._subcommand_config()
+        clip = config.get("trainer.gradient_clip_val")
+        refused = trainer_knob_error(None, config.get("trainer.accumulate_grad_batches"),
+                                     config.get("trainer.gradient_clip_algorithm"))
+        if refused is not None:
+            key, message = refused
+            raise UsageError(message, self._where(key))
+        if clip is None:
+            return
+        model_clip = config.get("model.gradient_clip_val")
+        model_where = self._where("model.gradient_clip_val")
+        if model_where != "model.gradient_clip_val" and model_clip != clip:  # both set, to different values
+            raise UsageError(f"trainer.gradient_clip_val {clip} and model.gradient_clip_val {model_clip} disagree: "
+                             "the module clips with model.gradient_clip_val; set one of them",
+                             f"{self._where('trainer.gradient_clip_val')}; {model_where}")
+        config["model.gradient_clip_val"] = float(clip)
+        config["trainer.gradient_clip_val"] = None
+
+    def _check_one_process(self) -> None:
+        config = self._subcommand_config()
+        devices, nodes = config.get("trainer.devices"), config.get("trainer.num_nodes") or 1
+        several = (isinstance(devices, int) and devices > 1) or (isinstance(devices, str) and devices.isdigit()
+                                                                  and int(devices) > 1) or \
+            (isinstance(devices, (list, tuple)) and len(devices) > 1) or devices == -1 or int(nodes) > 1
+        if several:
+            raise UsageError(f"{self.subcommand} runs in one process: set trainer.devices 1 (and trainer.num_nodes 1),"
+                             f" got devices={devices!r}, num_nodes={nodes!r}", self._where("trainer.devices"))
+
+    # ---- validate / test / predict (lit_grpo.cli_subcommands) -------------------------------------------
+    def before_validate(self) -> None:
+        """The checkpoint is read by the subcommand itself (its policy only, any layout); nothing to check."""
+
+    before_test = before_predict = before_validate
+
+    def validate(self, model: GRPOModule, datamodule: Any = None, ckpt_path: str | None = None,
+                 verbose: bool = True, **_: Any) -> dict[int, float]:
+        """Pass@k of the ``eval`` section on its split (``eval.split``, by default the test split)."""
+        return self._pass_at_k(model, self._subcommand_config().get("eval.split"), verbose)
+
+    def test(self, model: GRPOModule, datamodule: Any = None, ckpt_path: str | None = None,
+             verbose: bool = True, **_: Any) -> dict[int, float]:
+        """Pass@k of the ``eval`` section on the test split."""
+        return self._pass_at_k(model, "test", verbose)
+
+    def _pass_at_k(self, model: GRPOModule, split: str, verbose: bool) -> dict[int, float]:
+        config = self._subcommand_config()
+        callback = self.config_init[self.subcommand]["eval"]  # the `eval` section's GSM8KPassAtK
+        rows = evaluation_rows(config.get("eval.dataset"), split, config.get("eval.num_questions"))
+        device = self._device(model)
+        step = self._policy_from_checkpoint(model.policy)
+        start = time.perf_counter()
+        self.results = pass_at_k(model.policy, model.tokenizer, rows, callback.settings, callback.judge, device)
+        seconds = time.perf_counter() - start
+        log_pass_at_k(self.trainer.loggers, self.results, step)
+        if verbose:
+            title = f"{self.subcommand}: {config.get('eval.dataset')} {split} split, weights at step {step}"
+            print(pass_at_k_table(self.results, len(rows), callback.settings.num_samples, seconds, title))
+        return self.results
+
+    def predict(self, model: GRPOModule, datamodule: RolloutDataModule, ckpt_path: str | None = None,
+                **_: Any) -> int:
+        """Completions of the ``predictions`` section's prompts, with their rewards, written as JSONL."""
+        config = self._subcommand_config()
+        options: PredictOptions = self.config_init[self.subcommand]["predictions"]
+        try:  # a bad questions file fails before any sampling
+            rows = prediction_rows(options, config.get("data.dataset"))
+        except ValueError as err:
+            raise UsageError(str(err), self._where("predictions.questions" if options.questions else
+                                                   "predictions.split")) from err
+        device = self._device(model)
+        self._policy_from_checkpoint(model.policy)
+        records = predictions(model.policy, model.tokenizer, rows, datamodule.num_generations, datamodule.sampling,
+                              datamodule.system_prompt, datamodule.reward_runner, datamodule.seed, device)
+        count = write_jsonl(records, options.output)
+        print(f"predict: wrote {count} prompts x {datamodule.num_generations} completions to {options.output}")
+        return count
+
+    def _device(self, model: GRPOModule) -> Any:
+        if self.trainer.world_size > 1:  # devices "auto" on a machine with several accelerators
+            raise UsageError(f"{self.subcommand} runs in one process, this trainer has {self.trainer.world_size}: "
+                             "set trainer.devices 1", self._where("trainer.devices"))
+        device = self.trainer.strategy.root_device
+        model.policy.to(device)
+        return device
 
 
 def _callback_class_paths(callbacks: Any) -> list[str]:
@@ -102,4 +249,7 @@ def train(args: list[str] | None = None) -> GRPOCLI:
     # together with the data position and counters of the same moment: exactly what an exact resume needs.
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     return report_usage_errors(
-        lambda: GRPOCLI(GRPOModule, RolloutDataModule, save_config_kwargs={"overwrite": True}, args=args))
+        # auto_configure_optimizers=False: no --optimizer / --lr_scheduler; the module's `model.optimizer` group
+        # builds AdamW and its schedule (cli_errors.NOT_OFFERED says so to whoever asks for them)
+        lambda: GRPOCLI(GRPOModule, RolloutDataModule, save_config_kwargs={"overwrite": True}, args=args,
+                        auto_configure_optimizers=False))

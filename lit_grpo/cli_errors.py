@@ -12,6 +12,7 @@ with the tools; what locating an error needs from Lightning and jsonargparse bey
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 import re
@@ -31,7 +32,7 @@ from lit_grpo.checkpoints import Checkpoint, CheckpointError
 from lit_grpo.cli_hooks import key_of_parse_error, object_under_construction
 from lit_grpo.commands import UsageError, debug, fail, one_line
 
-__all__ = ["OneLineErrorsCLI", "report_usage_errors"]
+__all__ = ["MOVED_OPTIONS", "NOT_OFFERED", "OneLineErrorsCLI", "option_hint", "report_usage_errors"]
 T = TypeVar("T")
 # values of ckpt_path that Lightning resolves itself rather than reading a path
 _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
@@ -41,6 +42,32 @@ _USAGE_ERRORS = (ValueError, TypeError, MisconfigurationException)
 _GROUPS: tuple[tuple[type, str], ...] = (
     (Callback, "trainer.callbacks"), (LightningDataModule, "data"), (LightningModule, "model"), (Trainer, "trainer"),
 )
+#: option paths of earlier versions -> where the option lives now (``git log -p`` of configs/, module.py,
+#: datamodule.py, losses.py and the callbacks); an unknown option named here gets its new place in its error line
+MOVED_OPTIONS: dict[str, str] = {
+    "model.lr": "model.optimizer.lr",
+    "model.weight_decay": "model.optimizer.weight_decay",
+    "model.adam_betas": "model.optimizer.betas",
+    "model.warmup_steps": "model.optimizer.warmup_steps",
+    "model.lr_schedule": "model.optimizer.schedule",
+    "model.eps_low": "model.loss_options.grpo.eps_low",
+    "model.eps_high": "model.loss_options.grpo.eps_high",
+    "model.exact_ref_ratio": "model.loss_options.grpo.exact_ref_ratio",
+    "model.ratio_cap": "model.loss_options.grpo.ratio_cap",
+    "model.loss_options.ring_eps_low": "model.loss_options.rec_ring.ring_eps_low",
+    "model.loss_options.ring_eps_high": "model.loss_options.rec_ring.ring_eps_high",
+    "model.loss_options.tau": "model.loss_options.opmd.tau",  # or asymre.tau: the section of model.loss
+    "model.loss_options.temperature": "model.loss_options.red_weight.temperature",
+    "eval.every_n_steps": "eval.every_n_optimizer_steps",
+}
+#: LightningCLI options this CLI does not offer -> why, and what sets the same thing here
+NOT_OFFERED: dict[str, str] = {
+    "optimizer": "GRPOModule builds its own AdamW from `model.optimizer` (model.optimizer.lr, "
+                 "model.optimizer.weight_decay, model.optimizer.betas)",
+    "lr_scheduler": "GRPOModule builds its own schedule from `model.optimizer` (model.optimizer.schedule: constant, "
+                    "linear or cosine; model.optimizer.warmup_steps)",
+}
+_UNKNOWN_OPTION = re.compile(r"(?:^|\s)--([\w.]+)(?:[=+\s]|$)|accept option '([\w.]+)'")
 
 
 class _HeldBack:
@@ -126,7 +153,9 @@ class OneLineErrorsCLI(LightningCLI):
         except ArgumentError as err:
             message = one_line(str(err))
             key = key_of_parse_error(message)
-            raise UsageError(message, self._where(self._strip_subcommand(key) if key else None)) from err
+            hint = option_hint(message, self._known_keys(args))
+            raise UsageError(message + (f"; {hint}" if hint else ""),
+                             self._where(self._strip_subcommand(key) if key else None)) from err
         ckpt_path = self._subcommand_config().get("ckpt_path") if self.config.get("subcommand") else None
         if ckpt_path and str(ckpt_path) not in _CKPT_KEYWORDS and "://" not in str(ckpt_path):
             # read it now: LightningCLI loads it next for its hyperparameters, with a traceback when it is bad
@@ -187,6 +216,39 @@ class OneLineErrorsCLI(LightningCLI):
         self._check_checkpoint_fits()
 
     before_validate = before_test = before_predict = before_fit
+
+    def _known_keys(self, args: Any) -> list[str]:
+        """The option paths of the subcommand ``args`` names (of the main parser without one), for suggestions."""
+        argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else self._argv
+        name = next((a for a in argv if a in self.subcommands()), None)
+        try:
+            parser = self._parser(name) if name else self.parser
+            return [str(k) for k in parser.get_defaults().keys()]
+        except Exception:  # noqa: BLE001 - a suggestion is a courtesy: no suggestion rather than a second error
+            return []
+
+    def _policy_from_checkpoint(self, policy: Any, prefix: str = "policy.") -> int:
+        """Load the ``--ckpt_path`` checkpoint's policy tensors (``prefix``) into ``policy``, as ``validate``,
+        ``test`` and ``predict`` read weights; returns the checkpoint's ``global_step`` (0 without a checkpoint).
+        A keyword (``last``, ``best``) or a checkpoint that does not fit is a usage error."""
+        ckpt_path = self._subcommand_config().get("ckpt_path")
+        where = self._where("ckpt_path")
+        if ckpt_path and self._checkpoint is None:
+            raise UsageError(f"ckpt_path {ckpt_path!r}: {self.subcommand} reads a checkpoint file or sharded "
+                             f"directory; `last` and `best` are resolved by fit only: name the file", where)
+        checkpoint, self._checkpoint = self._checkpoint, None
+        if checkpoint is not None:
+            from lit_grpo.export import tied_aliases
+
+            expected = policy.state_dict()
+            aliases = tied_aliases(policy)
+            try:
+                checkpoint.check_fits(expected, prefix=prefix, optional=aliases)
+                policy.load_state_dict(checkpoint.tensors(prefix, like=expected), strict=False)
+            except CheckpointError as err:
+                raise UsageError(str(err), where) from err
+        _held_back.stop(replay=True)
+        return int(checkpoint.meta.get("global_step", 0)) if checkpoint is not None else 0
 
     # ---- where a value came from ----------------------------------------------------------------------
     def _subcommand_config(self) -> Any:
@@ -257,6 +319,26 @@ def report_usage_errors(build: Callable[[], T]) -> T:
         fail(err if isinstance(err, UsageError) else UsageError(str(err), "arguments"))
     finally:
         _held_back.stop(replay=True)  # no-op once stopped
+
+
+def option_hint(message: str, known: list[str]) -> str | None:
+    """What to say about the unknown options a parse error names: an option of an earlier version gets its new
+    path (:data:`MOVED_OPTIONS`), one LightningCLI offers elsewhere what this CLI sets (:data:`NOT_OFFERED`), and
+    a typo the closest known option path; None when nothing fits."""
+    flags = "--" in message
+    dash = "--" if flags else ""
+    hints = []
+    for match in _UNKNOWN_OPTION.finditer(message):
+        name = match.group(1) or match.group(2)
+        old = next((k for k in MOVED_OPTIONS if name == k or name.startswith(k + ".")), None)
+        top = name.partition(".")[0]
+        if old is not None:
+            hints.append(f"`{dash}{old}` is now `{dash}{MOVED_OPTIONS[old]}`")
+        elif top in NOT_OFFERED:
+            hints.append(f"`{dash}{top}` is not offered: {NOT_OFFERED[top]}")
+        elif close := difflib.get_close_matches(name, known, n=1, cutoff=0.8):
+            hints.append(f"did you mean `{dash}{close[0]}`?")
+    return "; ".join(dict.fromkeys(hints)) or None
 
 
 def _chain(err: BaseException) -> list[BaseException]:

@@ -1,7 +1,8 @@
 """What the training CLI (:mod:`lit_grpo.cli`, :mod:`lit_grpo.cli_errors`) relies on in Lightning and
 jsonargparse beyond their documented API, in one place.
 
-The CLI's one-line errors (``error: <what> (<key>, <where>)``) need four things that no public hook gives:
+The CLI's one-line errors (``error: <what> (<key>, <where>)``) need four things that no public hook gives, and
+its ``predict`` options a fifth:
 
 1. ``build_model_last``: jsonargparse builds the config groups of one depth in the order of the parser's private
    list ``_action_groups``, and LightningCLI adds ``model`` before ``data`` and the callback sections. The model's
@@ -14,9 +15,12 @@ The CLI's one-line errors (``error: <what> (<key>, <where>)``) need four things 
 4. ``HPARAMS_BETWEEN``: ``LightningCLI.__init__`` parses the ``--ckpt_path`` checkpoint's hyperparameters into the
    config after ``parse_arguments`` and before ``before_instantiate_classes``, so a parse error raised between
    those two hooks is about the checkpoint.
+5. ``SUBCOMMAND_PARSER``: ``LightningCLI._prepare_subcommand_parser(klass, subcommand, **kwargs)`` builds each
+   subcommand's parser; ``GRPOCLI`` extends it to give ``predict`` alone its ``predictions`` section
+   (``add_arguments_to_parser`` is called for every subcommand alike).
 
 At run time each helper degrades quietly (an error is then reported with less detail, or after the model loaded);
-:func:`check` verifies all four against the installed versions and raises :class:`HookBroken` naming the
+:func:`check` verifies all five against the installed versions and raises :class:`HookBroken` naming the
 versions and the hook, and the test suite calls it.
 """
 
@@ -28,6 +32,7 @@ from types import TracebackType
 from typing import Any
 
 HPARAMS_BETWEEN = ("parse_arguments", "_parse_ckpt_path", "before_instantiate_classes")
+SUBCOMMAND_PARSER = "_prepare_subcommand_parser"
 _PARSE_ERROR_KEY = re.compile(r'[Kk]ey "([\w.]+)"')
 
 
@@ -79,7 +84,7 @@ def object_under_construction(err: BaseException, classes: tuple[type, ...]) -> 
 
 
 def check() -> None:
-    """Raise :class:`HookBroken` when one of the four assumptions above fails with the installed versions."""
+    """Raise :class:`HookBroken` when one of the five assumptions above fails with the installed versions."""
     from lightning.pytorch import Callback
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -117,3 +122,10 @@ def check() -> None:
             "LightningCLI.__init__ calling " + ", then ".join(HPARAMS_BETWEEN),
             "the checkpoint's hyperparameters are no longer parsed between parse_arguments and "
             "before_instantiate_classes")
+
+    prepare = getattr(LightningCLI, SUBCOMMAND_PARSER, None)
+    params = list(inspect.signature(prepare).parameters) if callable(prepare) else []
+    if params[:3] != ["self", "klass", "subcommand"] or f"self.{SUBCOMMAND_PARSER}(" not in inspect.getsource(
+            LightningCLI._add_subcommands):
+        raise HookBroken(f"LightningCLI.{SUBCOMMAND_PARSER}(klass, subcommand) building each subcommand's parser",
+                         f"its parameters are {params}, or _add_subcommands no longer calls it")

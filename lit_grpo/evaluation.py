@@ -24,7 +24,7 @@ from lit_grpo.distributed import everyone, is_distributed, rank_and_world
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.transformers_engine import TransformersEngine
 from lit_grpo.metrics import PassAtK
-from lit_grpo.models import eos_token_ids
+from lit_grpo.models import eos_token_ids, pad_token_id
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,8 @@ def evaluate_pass_at_k(
     judge = judge or RewardRunner([("correctness", 1.0)])
     rank, world = rank_and_world()
     lockstep = everyone if is_distributed() else None
-    engine = TransformersEngine(policy, eos_token_ids(tokenizer, policy), tokenizer.pad_token_id, copy_weights=False)
+    # a tokenizer without a pad token (GPT-2, Llama 3) pads with its eos token; the tokenizer itself is not changed
+    engine = TransformersEngine(policy, eos_token_ids(tokenizer, policy), pad_token_id(tokenizer), copy_weights=False)
     device = device if device is not None else engine.device
     metric = PassAtK(settings.ks).to(device)
     mine = chunks_of_rank(question_chunks(len(rows), settings.questions_per_chunk), rank, world)

@@ -2,8 +2,12 @@
 
 The directory holds the policy's weights (safetensors), ``config.json`` and the tokenizer files, so
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``, ``vllm serve OUT_DIR`` or an evaluation harness take it as
-is. The reference model and the optimizer state stay behind. ``CKPT`` is a ``.ckpt`` file or a sharded
-checkpoint directory written by ``ModelParallelStrategy`` (see :mod:`lit_grpo.checkpoints`).
+is. The reference model and the optimizer state stay behind. A LoRA policy (``model.lora``) is written merged (base
+plus adapter, a plain model) by default, or with ``--adapter-only`` as its adapter alone in peft's format
+(``adapter_config.json``, ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, OUT_DIR)``); after stage
+swaps that adapter stacks the merged ones (``lit_grpo.lora.cumulative_adapter``), so it applies to the starting base.
+``CKPT`` is a ``.ckpt`` file or a sharded checkpoint directory written by ``ModelParallelStrategy`` (see
+:mod:`lit_grpo.checkpoints`).
 
 torch, transformers and the checkpoint reader are imported by the functions that use them, after the arguments
 are parsed, so that ``export --help`` and a bad argument answer without loading them.
@@ -33,7 +37,8 @@ def load_policy_from_checkpoint(checkpoint: str | Path):  # noqa: ANN201 - (mode
     """The policy of a GRPOModule checkpoint as a Hugging Face model with its tokenizer.
 
     The model and tokenizer are rebuilt from the checkpoint's ``hyper_parameters`` (``model_name``, ``dtype``)
-    with :func:`lit_grpo.models.load_model_and_tokenizer`, then given the checkpoint's policy weights. Raises
+    with :func:`lit_grpo.models.load_model_and_tokenizer` (a peft model with its LoRA adapter and merge log when
+    ``lora`` is set), then given the checkpoint's policy weights. Raises
     :class:`CheckpointError` (a ``ValueError``) naming the file when it cannot be read or does not fit.
     """
     from lit_grpo.checkpoints import Checkpoint, CheckpointError
@@ -49,6 +54,13 @@ def load_policy_from_checkpoint(checkpoint: str | Path):  # noqa: ANN201 - (mode
     if not ckpt.shapes(POLICY_PREFIX):
         raise CheckpointError(f"checkpoint {ckpt.path} holds no '{POLICY_PREFIX}*' tensors: no policy to export")
     model, tokenizer = load_model_and_tokenizer(model_name, hp.get("dtype", "float32"))
+    if hp.get("lora") is not None:
+        from lit_grpo.lora import LoraArgs, apply_lora, merge_log
+        from lit_grpo.option_groups import as_group
+
+        model = apply_lora(model, as_group(LoraArgs, hp["lora"], "lora"))
+        merge_log(model).load_state_dict(ckpt.meta.get("lora_merge_log", {"entries": []}))
+        model.peft_config["default"].base_model_name_or_path = model_name  # what an adapter export names as its base
     expected = model.state_dict()
     aliases = tied_aliases(model)
     ckpt.check_fits(expected, prefix=POLICY_PREFIX, optional=aliases)
@@ -58,13 +70,26 @@ def load_policy_from_checkpoint(checkpoint: str | Path):  # noqa: ANN201 - (mode
     return model, tokenizer
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, adapter_only: bool = False) -> Path:
     """Write the policy of a GRPOModule checkpoint to ``out_dir`` as a Hugging Face model directory (see
-    :func:`load_policy_from_checkpoint`)."""
+    :func:`load_policy_from_checkpoint`); a LoRA policy merged, or with ``adapter_only`` its adapter alone in
+    peft's format (stacked with the merges of its stage swaps, so that it applies to the starting base)."""
+    from lit_grpo.lora import is_lora, merge_adapter_into_base, save_adapter
+
     model, tokenizer = load_policy_from_checkpoint(checkpoint)
+    lora = is_lora(model)
+    if adapter_only and not lora:
+        raise ValueError(f"--adapter-only: checkpoint {checkpoint} holds no LoRA adapter (it was trained without "
+                         "model.lora); expected a LoRA checkpoint, or export without --adapter-only")
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    if adapter_only:
+        save_adapter(model, out, base_model=model.peft_config["default"].base_model_name_or_path)
+    elif lora:
+        merge_adapter_into_base(model)  # base + scale * B @ A, as a push to an engine without adapters sends it
+        model.unload().save_pretrained(out)
+    else:
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
@@ -84,12 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("checkpoint", help="a .ckpt file, or a sharded checkpoint directory (ModelParallelStrategy)")
     parser.add_argument("out_dir", help="directory to write (created if needed; files of the same name are replaced)")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="a LoRA checkpoint: write its adapter alone in peft's format instead of the merged model")
     return parser
 
 
 def main(argv: Sequence[str]) -> Path:
     """The ``export`` subcommand; errors are raised for the CLI to print."""
     args = build_parser().parse_args(list(argv))
-    out = export_checkpoint(args.checkpoint, args.out_dir)
+    out = export_checkpoint(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)
     print(f"wrote {out}")
     return out

@@ -1,4 +1,5 @@
-"""Policy losses by name: the built-in ones (GRPO's and the REC / REP / RED family's), or your own by import path.
+"""Policy losses by name: the built-in ones (GRPO's, GSPO's, CISPO's and the REC / REP / RED family's), or your own by
+import path.
 
 ``model.loss`` is a built-in name (:data:`BUILTIN_LOSSES`) or ``package.module:function`` (also
 ``package.module.function``), resolved and checked when the module is built, before any model loads.
@@ -52,6 +53,8 @@ import torch
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.import_paths import resolve_callable
 from lit_grpo.math import rec
+from lit_grpo.math.cispo import CISPOOptions, cispo_loss
+from lit_grpo.math.gspo import GSPOOptions, gspo_loss
 from lit_grpo.math.objective import GRPOOptions, LossConfig, LossFn, grpo_loss
 from lit_grpo.math.rec import ClipOptions, REDWeightOptions, RingOptions, TauOptions
 from lit_grpo.option_groups import as_group
@@ -67,7 +70,8 @@ STAT_KEYS = ("tokens", "ratio_sum", "ratio_min", "ratio_max", "clip_low", "clip_
 
 # ---------------------------------------------------------------------------------------------------------
 # Options of the built-in losses: one typed group per loss, which is also the config the loss is called with
-# (GRPOOptions in lit_grpo.math.objective, the REC family's in lit_grpo.math.rec, next to their formulas)
+# (GRPOOptions in lit_grpo.math.objective, GSPOOptions in lit_grpo.math.gspo, CISPOOptions in lit_grpo.math.cispo,
+# the REC family's in lit_grpo.math.rec, next to their formulas)
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ class LossOptions:
 
     Args:
         grpo: options of ``grpo`` (eq. 6/7).
+        gspo: options of ``gspo`` (GSPO: eq. 6's clip on one ratio per sequence).
+        cispo: options of ``cispo`` (CISPO: REINFORCE with a clipped importance weight).
         rec_oneside_nois: options of ``rec_oneside_nois``.
         rec_oneside_is: options of ``rec_oneside_is``.
         rec_twoside_is: options of ``rec_twoside_is``.
@@ -89,6 +95,8 @@ class LossOptions:
     """
 
     grpo: GRPOOptions = GRPOOptions()
+    gspo: GSPOOptions = GSPOOptions()
+    cispo: CISPOOptions = CISPOOptions()
     rec_oneside_nois: ClipOptions = ClipOptions()
     rec_oneside_is: ClipOptions = ClipOptions()
     rec_twoside_is: ClipOptions = ClipOptions()
@@ -132,6 +140,8 @@ class LossEntry:
 #: the one registry of built-in losses: ``model.loss`` names one of these
 BUILTIN_LOSSES: dict[str, LossEntry] = {
     "grpo": LossEntry(grpo_loss),
+    "gspo": LossEntry(gspo_loss),
+    "cispo": LossEntry(cispo_loss),
     "rec_oneside_nois": LossEntry(rec.rec_oneside_nois_loss),
     "rec_oneside_is": LossEntry(rec.rec_oneside_is_loss),
     "rec_twoside_is": LossEntry(rec.rec_twoside_is_loss),

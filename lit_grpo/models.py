@@ -137,7 +137,9 @@ def load_smollm2(dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokeniz
 
 def load_model_and_tokenizer(name: str, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)`` for an alias, a local directory or a Hub id; raise ``ValueError`` naming
-    ``name`` when none of these works."""
+    ``name`` when none of these works. A tokenizer without a pad token (GPT-2, Llama 3) gets its eos token as the
+    pad token, as peers do: it is this call's own tokenizer, so nobody else's object changes (for a tokenizer of
+    one's own, :func:`pad_token_id` gives the same id without changing it)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -155,9 +157,20 @@ def load_model_and_tokenizer(name: str, dtype: str = "float32") -> tuple[PreTrai
                 f"unknown model {name!r}: not an alias ({', '.join(ALIASES)}), not a local model directory, "
                 f"and not loadable as a Hugging Face Hub id ({type(err).__name__}: {str(err).splitlines()[0]})"
             ) from err
-    if tokenizer.pad_token is None:
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def pad_token_id(tokenizer) -> int:  # noqa: ANN001 (a Hugging Face tokenizer)
+    """The id that pads ``tokenizer``'s sequences: its pad token's, or for a tokenizer without one (GPT-2, Llama 3)
+    its eos token's, as TRL and vLLM pad. Padding is masked by length everywhere (``lit_grpo.batch.left_pad``,
+    ``lit_grpo.data.rollout.pad_rollouts``), so the id only has to be a valid token. The tokenizer is not changed."""
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if candidate is not None:
+            return int(candidate)
+    raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) has neither a pad_token nor an eos_token; "
+                     "expected at least an eos_token, so that completions can end and be padded")
 
 
 def alias_loader(name: str) -> Callable[[torch.dtype], tuple[PreTrainedModel, PreTrainedTokenizerBase]]:

@@ -31,6 +31,7 @@ from lit_grpo.distributed import (
     sum_over_ranks,
 )
 from lit_grpo.flops import device_peak_flops, parameter_count, processed_tokens
+from lit_grpo.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_model_of
 from lit_grpo.losses import LossOptions, build_loss, check_loss_output
 from lit_grpo.math.aggregation import (
     AGGREGATION_MODES,
@@ -54,6 +55,7 @@ from lit_grpo.step_metrics import (
     step_statistics,
     wait_for_device,
 )
+from lit_grpo.trainer_knobs import trainer_knob_error
 
 
 class GRPOModule(L.LightningModule):
@@ -74,7 +76,11 @@ class GRPOModule(L.LightningModule):
         log_completions_every_n_steps: write one sampled completion per group, with its reward, to TensorBoard
             as text every N training steps (None: never).
         optimizer: AdamW and its schedule (``lr``, ``weight_decay``, ``betas``, ``warmup_steps``, ``schedule``).
-        loss: the policy loss, ``grpo`` (eq. 6/7, the default), one of the REC / RED / REP family of
+        lora: train LoRA adapters (``r``, ``alpha``, ``dropout``, ``target_modules``; ``lit_grpo.lora.LoraArgs``)
+            instead of every weight; None: full fine-tuning. With LoRA no reference copy is made: pi_ref is the
+            policy with its adapter switched off, and the optimizer holds the adapters only.
+        loss: the policy loss, ``grpo`` (eq. 6/7, the default), ``gspo`` (sequence-level ratio), ``cispo``
+            (clipped stop-gradient weight; both ``lit_grpo.math``), one of the REC / RED / REP family of
             group-relative REINFORCE (``rec_oneside_nois``, ``rec_oneside_is``, ``rec_twoside_is``, ``rec_ring``,
             ``red_drop``, ``red_weight``, ``opmd``, ``asymre``; see ``lit_grpo.math.rec``), or your own as
             ``package.module:function`` (the contract: ``lit_grpo.losses``).
@@ -109,6 +115,7 @@ class GRPOModule(L.LightningModule):
         loss_options: LossOptions = LossOptions(),  # noqa: B008 (frozen)
         monitor_tv_after_update: bool = True,
         peak_flops: float | None = None,
+        lora: LoraArgs | None = None,
     ) -> None:
         super().__init__()
         if peak_flops is not None and not (math.isfinite(peak_flops) and peak_flops > 0):
@@ -126,6 +133,7 @@ class GRPOModule(L.LightningModule):
         if max_completion_length < 1:
             raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
         self.optimizer_args = as_group(OptimizerArgs, optimizer, "optimizer")
+        self.lora_args = None if lora is None else as_group(LoraArgs, lora, "lora")
         # the loss is resolved and its options checked now, so a bad name, path or option fails before a model loads
         self.policy_loss = build_loss(loss, loss_options, beta)
         self.loss_fn, self.loss_config = self.policy_loss.fn, self.policy_loss.config
@@ -133,17 +141,21 @@ class GRPOModule(L.LightningModule):
         # a checkpoint keeps the groups as plain dicts (it is read with torch.load(weights_only=True));
         # save_hyperparameters reads the arguments from this frame, so they are rebound to those dicts first
         optimizer, loss_options = plain(self.optimizer_args), plain(as_group(LossOptions, loss_options, "loss_options"))
+        lora = None if self.lora_args is None else plain(self.lora_args)
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.policy, self.tokenizer = load_model_and_tokenizer(model_name, dtype)
         disable_dropout(self.policy)
         # counted now, before any sharding: the whole model's N, on every rank (the FLOPs behind train/mfu)
         self.policy_parameters = parameter_count(self.policy)
+        if self.lora_args is not None:  # after disable_dropout, which would also zero the adapters' own dropout
+            self.policy = apply_lora(self.policy, self.lora_args)
         self.policy.train()  # from_pretrained returns eval mode; with dropout off the two modes compute the same
         # pi_ref is made on first use (`configure_model` under a trainer, else the first access of `reference`),
         # so that on an accelerator it is copied straight there instead of doubling the policy on the host
         self._modules["reference"] = None  # the property below reads it; set directly, past the property
-        self._reference_pending = beta > 0
+        # with LoRA pi_ref is the policy with its adapter off: no copy (`reference` stays None)
+        self._reference_pending = beta > 0 and self.lora_args is None
         #: how many times pi_ref was replaced (``RefModelSwap``): the label of pi_ref's weights, so a copy of pi_ref
         #: on a rollout server (``data.reference_on_server``) is used only while it is the current one
         self.reference_version = 0
@@ -152,11 +164,16 @@ class GRPOModule(L.LightningModule):
         if gradient_checkpointing:
             # the reference copy is a plain copy: it never recomputes (no grad) and keeps its KV cache
             self.policy.gradient_checkpointing_enable()
+            if self.lora_args is not None:
+                # frozen embeddings give outputs without grad: reentrant checkpointing (transformers 4's default)
+                # would then pass no gradient to the adapters inside the recomputed blocks
+                self.policy.enable_input_require_grads()
 
     # ---- the frozen reference pi_ref ----------------------------------------------------------------
     @property
     def reference(self) -> torch.nn.Module | None:
-        """pi_ref: a frozen copy of the policy (``None`` when beta = 0), made on first access."""
+        """pi_ref: a frozen copy of the policy (``None`` when beta = 0, and with LoRA: the policy with its adapter
+        off is pi_ref), made on first access."""
         if self._reference_pending:
             self._build_reference(next(self.policy.parameters()).device)
         return self._modules["reference"]
@@ -184,6 +201,14 @@ class GRPOModule(L.LightningModule):
                           if k.startswith("policy.")})
         return state
 
+    def configure_callbacks(self) -> list:
+        """None of its own: the hook Lightning calls before it checks the Trainer's automatic-optimization knobs,
+        so that ``Trainer(gradient_clip_val=...)`` is refused naming this module's (``lit_grpo.trainer_knobs``)."""
+        t = self.trainer
+        if (refused := trainer_knob_error(t.gradient_clip_val, t.accumulate_grad_batches, t.gradient_clip_algorithm)):
+            raise ValueError(refused[1])
+        return []
+
     def setup(self, stage: str) -> None:
         precision = str(getattr(self.trainer, "precision", "32-true"))
         check_trainer_precision(precision)
@@ -191,7 +216,8 @@ class GRPOModule(L.LightningModule):
     # ---- parallelism --------------------------------------------------------------------------------
     def configure_model(self) -> None:
         """Shard policy and reference alike: FSDP2 under ``ModelParallelStrategy`` (``fully_shard`` over the
-        data-parallel mesh), FSDP1 under ``FSDPStrategy``; DDP and one process need nothing here."""
+        data-parallel mesh), FSDP1 under ``FSDPStrategy``; DDP and one process need nothing here. A LoRA policy is
+        sharded the same way: each decoder layer is one unit holding its frozen base weights and its adapters."""
         strategy = self.trainer.strategy if self._trainer is not None else None
         if strategy is None or is_sharded(self.policy):
             return  # no trainer, or already sharded by an earlier fit
@@ -225,9 +251,10 @@ class GRPOModule(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         args = self.optimizer_args
         total = None
-        if self.trainer is not None and args.schedule != "constant":
+        if self._trainer is not None and args.schedule != "constant":
             total = self.trainer.max_steps if self.trainer.max_steps > 0 else None
-        optimizer, scheduler = build_optimizer(self.policy.parameters(), args, total)
+        # the trainable parameters only: with LoRA the adapters (AdamW keeps no moments for frozen weights)
+        optimizer, scheduler = build_optimizer([p for p in self.policy.parameters() if p.requires_grad], args, total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -267,7 +294,10 @@ class GRPOModule(L.LightningModule):
         there, batches restored from a checkpoint). The choice is the same on every rank: sharded ranks must make
         the pass together."""
         self._reference_served = False
-        if self.reference is None:
+        # with LoRA pi_ref is the policy with its adapter off (after a RefModelSwap: the merged base); a rollout
+        # server scores it on its own base, labelled with the merges that base holds (= this module's swaps)
+        lora_reference = self.lora_args is not None and self.uses_reference
+        if self.reference is None and not lora_reference:
             return [None] * len(micro_batches)
         served = batch.reference_logp is not None and batch.reference_version == str(self.reference_version)
         if batch.reference_offloaded and rank_and_world()[1] > 1:  # no collective when nothing is offloaded
@@ -275,6 +305,9 @@ class GRPOModule(L.LightningModule):
         if served:
             self._reference_served = True
             return [mb.take(batch.reference_logp) for mb in micro_batches]
+        if lora_reference:
+            with peft_model_of(self.policy).disable_adapter():
+                return [completion_logprobs(self.policy, mb, self.hparams.temperature)[0] for mb in micro_batches]
         return [completion_logprobs(self.reference, mb, self.hparams.temperature)[0] for mb in micro_batches]
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
@@ -396,9 +429,13 @@ class GRPOModule(L.LightningModule):
         # every rank's generators, in rank order: only rank 0 writes the checkpoint, each rank resumes its own
         checkpoint["rng_states"] = all_gather_objects(rng)
         checkpoint["reference_version"] = self.reference_version
+        if is_lora(self.policy):  # the adapters merged so far (the base in the state dict already holds them)
+            checkpoint["lora_merge_log"] = merge_log(self.policy).state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.reference_version = int(checkpoint.get("reference_version", 0))
+        if "lora_merge_log" in checkpoint and is_lora(self.policy):
+            merge_log(self.policy).load_state_dict(checkpoint["lora_merge_log"])
         rng = checkpoint.get("rng_states")
         if not rng:
             return

@@ -195,6 +195,8 @@ def run_job(job: dict, workdir: str) -> dict:
         wait_until_serving(job["server"]["url"])
         data_kwargs.update(engine="server", engine_options=dict(job["server"]))
     data = tiny_data(cls=data_cls, **data_kwargs)
+    if "seed" in job:  # what the module draws at its start (a LoRA adapter's A) is then the same in every job
+        torch.manual_seed(job["seed"])
     module = tiny_module(**job.get("module", {}))
     count = job.get("count_reductions", False)
     callbacks += [CountDDPReductions()] if count else []

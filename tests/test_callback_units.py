@@ -11,9 +11,12 @@ def test_batches_and_optimizer_steps_are_different_units(tmp_path):
     evaluate = dict(num_samples=2, ks=[1], num_questions=1, max_new_tokens=4, system_prompt=None, at_end=False)
     eval_batches, eval_steps = GSM8KPassAtK(every_n_batches=3, **evaluate), GSM8KPassAtK(every_n_optimizer_steps=3,
                                                                                          **evaluate)
-    trainer = tiny_trainer(tmp_path, max_steps=8, callbacks=[sync, by_batches, by_steps, eval_batches, eval_steps])
+    trainer = tiny_trainer(tmp_path, max_steps=8, callbacks=[sync, by_batches, eval_batches, eval_steps])
     trainer.fit(tiny_module(iterations_per_batch=2, beta=0.1), datamodule=tiny_data())
     assert trainer.global_step == 8  # 4 rollout batches x i = 2
+    # one RefModelSwap per trainer (a second is refused), so the other unit gets a fit of its own
+    trainer = tiny_trainer(tmp_path, max_steps=8, callbacks=[WeightSync(every_n_batches=2), by_steps])
+    trainer.fit(tiny_module(iterations_per_batch=2, beta=0.1), datamodule=tiny_data())
     assert by_batches.swaps == 2 and by_steps.swaps == 4
     assert sync.num_syncs == 2  # after batches 2 and 4 (the initial load is not counted)
     assert [h["step"] for h in eval_batches.history] == [6.0]  # after batch 3

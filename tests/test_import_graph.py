@@ -186,6 +186,8 @@ KNOWN_CONCRETE_BASES = {
     ("lit_grpo.math.rec.ClipOptions", "lit_grpo.math.objective.ClipBand"),
     ("lit_grpo.math.rec.TauOptions", "lit_grpo.math.objective.LossConfig"),
     ("lit_grpo.math.rec.REDWeightOptions", "lit_grpo.math.objective.LossConfig"),
+    ("lit_grpo.math.gspo.GSPOOptions", "lit_grpo.math.objective.GRPOOptions"),
+    ("lit_grpo.math.cispo.CISPOOptions", "lit_grpo.math.objective.LossConfig"),
 }
 
 

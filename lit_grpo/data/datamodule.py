@@ -21,13 +21,15 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.data.async_rollouts import AsyncRollouts, Requested
+from lit_grpo.data.fit_checks import check_temperature_agrees, constant_normaliser_mismatch, unsynced_engine_warning
 from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
-from lit_grpo.data.rewards import RewardRunner
+from lit_grpo.data.rewards import RewardFn, RewardRunner, reward_name
 from lit_grpo.data.rollout import BatchOrigin, PaddedRollouts, collate_rollouts, pad_rollouts, rollout_seed
 from lit_grpo.data.server_reference import ServerReference
 from lit_grpo.data.staleness import (
@@ -47,7 +49,7 @@ from lit_grpo.engines.base import (
 )
 from lit_grpo.engines.options import ENGINE_OPTIONS, ServerOptions, TransformersOptions, VLLMOptions
 from lit_grpo.engines.options import engine_options as engine_options_of
-from lit_grpo.models import eos_token_ids
+from lit_grpo.models import eos_token_ids, pad_token_id
 from lit_grpo.option_groups import plain
 
 #: the autocast dtype of Lightning's mixed precisions (the forward context of ``training_step``)
@@ -96,9 +98,15 @@ class RolloutDataModule(L.LightningDataModule):
             ``prompts_per_step * world_size`` prompts, each rank on its own share with its own sampling seed.
         num_generations: G, completions per prompt (>= 2: a group needs a spread to whiten).
         micro_batch_size: completions per forward/backward pass.
-        max_new_tokens, temperature, top_p: sampling (log-probs use ``logits / temperature``).
+        max_new_tokens, temperature, top_p: sampling (log-probs use ``logits / temperature``). The one source of
+            the sampling settings: a LightningModule with a ``temperature`` of its own (``GRPOModule``'s, which the
+            CLI links to this one) must have this one when the fit starts, else the fit is refused.
         rewards: reward functions by short name (``correctness``, ``format``) or import path
-            ``package.module:function``; ``reward_weights`` weigh them (default 1 each).
+            ``package.module:function`` (configs and the CLI), or in Python the functions themselves
+            (``rewards=[my_reward, "format"]``); each is checked against the contract
+            ``fn(completion: str, answer: str, **kwargs) -> float`` now, and one that scores no completion of the
+            first batch stops the run (``lit_grpo.data.rewards.RewardRunner``, which also says which callables work
+            in processes Lightning spawns); ``reward_weights`` weigh them (default 1 each).
         scale_rewards: divide by the group std (eq. 2); ``False`` centres only (Dr.GRPO).
         engine: ``"transformers"`` (in-process copy of the policy), ``"vllm"`` (colocated vLLM) or ``"server"``
             (rollout servers over HTTP, ``ServerEngine``: ``engine_options: {url: ...}``).
@@ -138,7 +146,7 @@ class RolloutDataModule(L.LightningDataModule):
         max_new_tokens: int = 200,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        rewards: list[str] | None = None,
+        rewards: list[str | RewardFn] | None = None,
         reward_weights: list[float] | None = None,
         reward_timeout_s: float = 5.0,
         advantage_eps: float = 1e-4,
@@ -159,6 +167,9 @@ class RolloutDataModule(L.LightningDataModule):
         options = engine_options_of(engine, engine_options)
         server_kind = options.kind if isinstance(options, ServerOptions) else None
         check_reference_on_server(reference_on_server, engine, server_kind)
+        if server_kind == "vllm" and options.lora_keep is not None and options.lora_keep < max_staleness + 1:
+            raise ValueError(f"engine_options.lora_keep={options.lora_keep} is below max_staleness + 1 = "
+                             f"{max_staleness + 1}: a batch requested ahead would name an unloaded adapter version")
         if num_generations < 2:
             raise ValueError(f"num_generations (G) must be >= 2 to form a group advantage, got {num_generations}")
         if prompts_per_step < 1:
@@ -177,7 +188,8 @@ class RolloutDataModule(L.LightningDataModule):
             check_vllm_top_p(top_p)
         specs = list(rewards) if rewards else ["correctness"]
         if reward_weights is not None and len(reward_weights) != len(specs):
-            raise ValueError(f"reward_weights has {len(reward_weights)} entries for {len(specs)} rewards {specs}")
+            names = [reward_name(s) if isinstance(s, str) or callable(s) else s for s in specs]
+            raise ValueError(f"reward_weights has {len(reward_weights)} entries for {len(specs)} rewards {names}")
         weights = reward_weights or [1.0] * len(specs)
         self.reward_runner = RewardRunner(list(zip(specs, weights)), timeout_s=reward_timeout_s)
         self.rows = load_gsm8k(dataset, split=split)
@@ -250,6 +262,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ---- Lightning hooks ----------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        if stage == "fit":
+            self.check_fit(self.trainer.lightning_module)
         if self.rollout_engine is not None:
             return
         module = self.trainer.lightning_module
@@ -266,7 +280,7 @@ class RolloutDataModule(L.LightningDataModule):
             # precision of the module's own pass (autocast under a mixed precision), so that KL(pi || pi_ref) is
             # still exactly 0 right after a RefModelSwap
             self.server_reference = ServerReference(
-                engine, self.tokenizer.pad_token_id, self.micro_batch_size,
+                engine, pad_token_id(self.tokenizer), self.micro_batch_size,
                 float(module.hparams.get("temperature", self.sampling.temperature)),
                 MIXED_AUTOCAST.get(str(self.trainer.precision)))
         if self.max_staleness and isinstance(engine, RemoteEngine):
@@ -274,24 +288,36 @@ class RolloutDataModule(L.LightningDataModule):
             # the push): no batch handed over under the old weights is sampled with the new ones
             engine.before_push.append(self.async_rollouts.drain)
 
+    def check_fit(self, module: L.LightningModule) -> None:
+        """Before any rollout of a fit (``lit_grpo.data.fit_checks``): refuse a module whose loss uses another
+        temperature than the rollouts are sampled at; warn when Dr.GRPO's constant normaliser is not
+        ``max_new_tokens``, and when no callback keeps the rollout engine's weights in step with the policy."""
+        check_temperature_agrees(module, self.sampling)
+        for message in (constant_normaliser_mismatch(module, self.sampling),
+                        unsynced_engine_warning(self.trainer.callbacks, module)):
+            if message is not None:
+                rank_zero_warn(message)
+
     def build_engine(self, module: L.LightningModule) -> RolloutEngine:
         eos = eos_token_ids(self.tokenizer, module.policy)
         options = self.engine_options
         if isinstance(options, TransformersOptions):
             from lit_grpo.engines.transformers_engine import TransformersEngine
 
-            return TransformersEngine(module.policy, eos, self.tokenizer.pad_token_id, **plain(options))
+            return TransformersEngine(module.policy, eos, pad_token_id(self.tokenizer), **plain(options))
         if isinstance(options, ServerOptions):  # rollout servers over HTTP; the trainer's EOS ids stop them too
             from lit_grpo.engines.remote.client import ServerEngine
 
             stops = eos if options.stop_token_ids is None else options.stop_token_ids
+            # a request in flight names an adapter version up to K pushes old: K + 1 stay loaded on `vllm serve`
+            keep = self.max_staleness + 1 if options.lora_keep is None else options.lora_keep
             return ServerEngine(policy=lambda: module.policy, serves_reference=self.scores_reference,
-                                **{**plain(options), "stop_token_ids": stops})  # WeightSync pushes pi_ref to it
+                                **{**plain(options), "stop_token_ids": stops, "lora_keep": keep})
         from lit_grpo.engines.vllm_engine import VLLMEngine
 
         vllm_options = plain(options)
-        return VLLMEngine(module.hparams.model_name, tokenizer=self.tokenizer, **vllm_options.pop("llm_kwargs"),
-                          **vllm_options)
+        return VLLMEngine(module.hparams.model_name, tokenizer=self.tokenizer, policy=lambda: module.policy,
+                          **vllm_options.pop("llm_kwargs"), **vllm_options)
 
     def train_dataloader(self) -> DataLoader:
         # batch_size=None: the stream already yields whole batches; num_workers=0: generation needs the
@@ -422,7 +448,7 @@ class RolloutDataModule(L.LightningDataModule):
         scored = self.reward_runner(texts, answers)
         self.reward_errors += scored.errors
         self.reward_timeouts += scored.timeouts
-        padded = pad_rollouts(prompts, groups, self.tokenizer.pad_token_id, self.micro_batch_size,
+        padded = pad_rollouts(prompts, groups, pad_token_id(self.tokenizer), self.micro_batch_size,
                               self.module_device())
         with self.precision_context():
             alpha = self.alpha_logprobs(padded, sampled_step)

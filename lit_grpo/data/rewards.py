@@ -2,6 +2,12 @@
 
 Everything here is plain Python: rewards are scored on decoded text, on the CPU, outside the Lightning loop.
 
+The reward contract: ``fn(completion: str, answer: str, **kwargs) -> float``. The runner calls ``fn(completion,
+answer)`` (no keyword arguments yet; accept ``**kwargs`` so that later ones do not break a function) and needs a real
+number back (``int``, ``float``, a NumPy scalar or a 0-d tensor; ``bool`` counts as 0 / 1; a string does not, even
+``"1"``). A reward is named by a spec string (a built-in name or an import path: configs and the CLI) or, in the
+Python API, given as the callable itself; :func:`resolve_reward` checks either against the contract before training.
+
 Answer extraction (:func:`extract_final_answer`) decides what a completion's final answer *is*; the
 comparison (:func:`correctness_reward`) decides whether it equals the gold answer. Both are kept lenient
 about presentation (``$1,000`` vs ``1000``, ``18.0`` vs ``18``) and strict about value, so the policy is
@@ -10,9 +16,14 @@ rewarded for the right number, and :func:`format_reward` separately rewards the 
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import logging
 import math
+import pickle
 import re
+import reprlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +36,10 @@ from lit_grpo.import_paths import resolve_callable
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., float]
+#: a reward as the runner takes it: a spec string (built-in name or import path) or the function itself
+RewardSpec = str | RewardFn
+#: what the runner's calls look like, in the messages that refuse a reward
+REWARD_CONTRACT = "fn(completion: str, answer: str, **kwargs) -> float"
 
 # A number as written in prose or LaTeX: optional minus (not when glued to a preceding word or number, so
 # "3-4" is two numbers), an integer with or without comma thousands separators (groups of exactly three
@@ -217,17 +232,60 @@ def format_reward(completion: str, answer: str, **kwargs: object) -> float:
 
 _SPEC_HELP = (
     "expected 'package.module:function', 'package.module.function' or a built-in name "
-    f"({', '.join(repr(name) for name in BUILTIN_REWARDS)}) naming a callable "
-    "fn(completion: str, answer: str, **kwargs) -> float"
+    f"({', '.join(repr(name) for name in BUILTIN_REWARDS)}) naming a callable {REWARD_CONTRACT}"
 )
 
 
-def resolve_reward(spec: str) -> RewardFn:
-    """The reward function a spec names, checked to exist and be callable, so a typo fails at startup."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"reward {spec!r}: {_SPEC_HELP}")
-    spec = spec.strip()
-    return resolve_callable(BUILTIN_REWARDS.get(spec, spec), "reward", _SPEC_HELP)
+def reward_name(spec: RewardSpec) -> str:
+    """The name a reward goes by in logs, metrics and errors: its spec string, or for a callable
+    ``module:qualname`` (a ``functools.partial`` or a callable object without a qualified name: its ``repr``)."""
+    if isinstance(spec, str):
+        return spec.strip()
+    qualname = getattr(spec, "__qualname__", None)
+    # a method of a built-in type (``str.upper``) names its module through its class
+    module = getattr(spec, "__module__", None) or getattr(getattr(spec, "__objclass__", None), "__module__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        return f"{module}:{qualname}"
+    return repr(spec)
+
+
+def check_reward_signature(name: str, fn: RewardFn) -> None:
+    """Refuse a reward the runner cannot call as ``fn(completion, answer)``: one whose signature does not bind two
+    positional arguments (``os.getcwd``: none; ``len``: one), or a coroutine function (its calls return a coroutine,
+    not a number). A callable whose signature Python cannot read (some builtins, such as ``max``) passes here; its
+    calls on the first batch decide (:class:`RewardRunner` stops a run whose first batch it scores on no
+    completion)."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__):
+        raise ValueError(f"reward {name!r} is a coroutine function (async def): its calls return a coroutine, not a "
+                         f"number; expected a plain function {REWARD_CONTRACT}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # nothing to read: the first batch's calls decide
+    try:
+        signature.bind("completion", "answer")
+    except TypeError as e:
+        raise ValueError(f"reward {name!r} has the signature {signature} and cannot be called as fn(completion, "
+                         f"answer) ({e}); expected {REWARD_CONTRACT}") from None
+    if list(signature.parameters)[:2] == ["prompts", "completions"]:  # binds, but would get one string each
+        raise ValueError(f"reward {name!r} has the signature {signature} of a batched TRL reward_funcs function; "
+                         f"the runner scores one completion per call: expected {REWARD_CONTRACT}")
+
+
+def resolve_reward(spec: RewardSpec) -> RewardFn:
+    """The reward function ``spec`` names (a built-in name or an import path) or is (a callable), checked to exist,
+    be callable and accept the runner's call (:func:`check_reward_signature`), so that a typo or a function of the
+    wrong shape fails at startup instead of training a whole run at reward 0."""
+    if callable(spec) and not isinstance(spec, str):
+        fn = spec
+    elif not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"reward {spec!r}: {_SPEC_HELP}, or the callable itself")
+    else:
+        spec = spec.strip()
+        fn = resolve_callable(BUILTIN_REWARDS.get(spec, spec), "reward", _SPEC_HELP)
+    check_reward_signature(reward_name(spec), fn)
+    return fn
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -284,54 +342,102 @@ def _call_in_thread(fn: RewardFn, completion: str, answer: str, timeout_s: float
 
 
 def _as_score(value: object) -> float:
-    """A reward function's return value as a finite float (a NaN would poison the group's advantages)."""
+    """A reward function's return value as a finite float (a NaN would poison the group's advantages). Text is not
+    a score, even text that reads as a number (``os.getcwd`` returns a path; ``"1"`` is a bug, not a reward)."""
+    if isinstance(value, (str, bytes, bytearray)):
+        raise _Failure(f"returned {type(value).__name__} {reprlib.repr(value)}, expected a number")
     try:
         score = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as e:
-        raise _Failure(f"returned {value!r}, expected a number") from e
+    except (TypeError, ValueError, RuntimeError) as e:  # RuntimeError: a tensor of more than one element
+        raise _Failure(f"returned {reprlib.repr(value)}, expected a number") from e
     if not math.isfinite(score):
         raise _Failure(f"returned {score}, expected a finite number")
     return score
 
 
-def _parse_specs(specs: Sequence[str | tuple[str, float]]) -> list[tuple[str, float]]:
-    """``["correctness", ("format", 0.5)]`` -> ``[("correctness", 1.0), ("format", 0.5)]``, validated."""
-    if isinstance(specs, str) or not specs:
-        raise ValueError(f"rewards {specs!r}: expected a non-empty list of specs or (spec, weight) pairs")
+def _name_of(spec: object) -> str:
+    """:func:`reward_name` of a spec or callable; anything else (refused later) as its ``repr``."""
+    return reward_name(spec) if isinstance(spec, str) or callable(spec) else repr(spec)
+
+
+def _parse_specs(specs: Sequence[RewardSpec | tuple[RewardSpec, float]]) -> list[tuple[RewardSpec, float]]:
+    """``["correctness", (my_fn, 0.5)]`` -> ``[("correctness", 1.0), (my_fn, 0.5)]``, validated."""
+    if isinstance(specs, str) or callable(specs) or not specs:
+        raise ValueError(f"rewards {specs!r}: expected a non-empty list of specs, callables or (spec, weight) pairs")
     parsed = []
     for item in specs:
-        if isinstance(item, str):
+        if isinstance(item, str) or callable(item):
             item = (item, 1.0)
         if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise ValueError(f"reward {item!r}: expected a spec string or a (spec, weight) pair")
+            raise ValueError(f"reward {item!r}: expected a spec string, a callable or a (spec, weight) pair")
         spec, weight = item
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            raise ValueError(f"reward {spec!r}: weight {weight!r} is not a finite number")
+            raise ValueError(f"reward {_name_of(spec)!r}: weight {weight!r} is not a finite number")
         parsed.append((spec, float(weight)))
-    names = [spec for spec, _ in parsed]
+    names = [_name_of(spec) for spec, _ in parsed]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ValueError(f"rewards {duplicates} are listed more than once; list each once with its total weight")
     return parsed
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward function scored none of the completions of the first batch: it is broken, not unlucky."""
+
+
 class RewardRunner:
     """Scores completions with a weighted sum of reward functions, surviving functions that fail or hang.
 
-    Specs are resolved at construction, so a wrong name fails before any model is loaded. At call time a
-    function that raises, returns a non-number, or runs longer than ``timeout_s`` scores 0.0 for that
-    completion and is counted in :class:`RewardResult`; the other completions and functions are unaffected.
-    ``timeout_s=None`` calls functions directly in the caller's thread, with no time limit: faster, but a
-    hanging function then hangs training.
+    Specs are resolved and checked against the reward contract at construction, so a wrong name or signature fails
+    before any model is loaded. At call time a function that raises, returns a non-number, or runs longer than
+    ``timeout_s`` scores 0.0 for that completion and is counted in :class:`RewardResult` (the data module logs the
+    running counts as ``rollout/reward_errors`` and ``rollout/reward_timeouts``); the first failure of each function
+    is a warning naming it, and the other completions and functions are unaffected. One exception to that: with
+    ``stop_if_first_call_fails``, a function that yields a score on none of the completions of the runner's first
+    call (each raised or returned a non-number; timeouts alone do not count, a slow first call can be a cold cache)
+    raises :class:`RewardFunctionError` naming it: a function that fails on every completion is broken, and a run
+    that went on would train at reward 0. ``timeout_s=None`` calls functions directly in the caller's thread, with
+    no time limit: faster, but a hanging function then hangs training.
+
+    Processes: Lightning's default launch (``ddp``, or an external launcher) runs the user's script in every rank,
+    so each rank builds its own runner and any callable works. A process-spawning launch (``ddp_spawn``) pickles the
+    runner: its callables must then be picklable (functions defined at the top level of an importable module, or a
+    ``functools.partial`` of one; not lambdas or nested functions), and one that is not fails the pickling in one
+    line naming it.
     """
 
-    def __init__(self, specs: Sequence[str | tuple[str, float]], timeout_s: float | None = 5.0) -> None:
+    def __init__(self, specs: Sequence[RewardSpec | tuple[RewardSpec, float]], timeout_s: float | None = 5.0,
+                 stop_if_first_call_fails: bool = True) -> None:
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r}: expected a positive number of seconds or None")
-        self.specs = _parse_specs(specs)
+        parsed = _parse_specs(specs)
         self.timeout_s = timeout_s
-        self.functions = [(spec, resolve_reward(spec), weight) for spec, weight in self.specs]
+        self.stop_if_first_call_fails = stop_if_first_call_fails
+        self.functions = [(reward_name(spec), resolve_reward(spec), weight) for spec, weight in parsed]
+        #: ``(name, weight)`` per function, in order: the names are the keys of ``RewardResult.per_function``
+        self.specs = [(name, weight) for name, _, weight in self.functions]
         self._warned: set[str] = set()
+        self._calls = 0
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled for a spawned process (``ddp_spawn``): a reward that cannot be pickled is named in one line,
+        instead of a pickling traceback about a local object."""
+        for name, fn, _ in self.functions:
+            try:
+                pickle.dumps(fn)
+            except Exception as e:
+                raise TypeError(f"reward {name!r} cannot be pickled for a process that Lightning spawns ({e}); define "
+                                "it at the top level of an importable module, or use a launch that runs the script "
+                                "in every process (strategy 'ddp')") from None
+        return dict(self.__dict__)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> RewardRunner:
+        """A copy in this process: functions are shared, as ``copy.deepcopy`` shares them, whether or not they could
+        be pickled (the check of :meth:`__getstate__` is for other processes only)."""
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
     def _score(self, spec: str, fn: RewardFn, completion: str, answer: str) -> float:
         """One function on one completion; raises :class:`_Failure` when it yields no score."""
@@ -351,21 +457,45 @@ class RewardRunner:
             logger.debug("reward %r %s: %s", spec, kind, failure)
             return
         self._warned.add(spec)
-        logger.warning("reward %r %s: %s (scored 0.0; further failures of it are logged at DEBUG)", spec, kind, failure)
+        metric = "rollout/reward_timeouts" if failure.timed_out else "rollout/reward_errors"
+        logger.warning("reward %r %s: %s (scored 0.0 and counted in %s; further failures of it are logged at DEBUG)",
+                       spec, kind, failure, metric)
 
     def __call__(self, completions: Sequence[str], answers: Sequence[str]) -> RewardResult:
         if len(completions) != len(answers):
             raise ValueError(f"{len(completions)} completions but {len(answers)} answers; expected one answer each")
+        first_call = self._calls == 0 and len(completions) > 0
+        self._calls += bool(completions)
         result = RewardResult(rewards=[0.0] * len(completions), per_function={s: [] for s, _, _ in self.functions})
+        # per function, the errors (not timeouts) of a first call, and the functions that scored some completion
+        errors: dict[str, list[_Failure]] = {s: [] for s, _, _ in self.functions}
+        scored: set[str] = set()
         for i, (completion, answer) in enumerate(zip(completions, answers)):
             for spec, fn, weight in self.functions:
                 try:
                     score = self._score(spec, fn, completion, answer)
+                    scored.add(spec)
                 except _Failure as failure:
                     score = 0.0
                     result.timeouts += failure.timed_out
                     result.errors += not failure.timed_out
-                    self._report(spec, failure)
+                    if failure.timed_out or not (first_call and self.stop_if_first_call_fails):
+                        self._report(spec, failure)
+                    else:  # an error of the first call: reported below, or it stops the run
+                        errors[spec].append(failure)
                 result.per_function[spec].append(score)
                 result.rewards[i] += weight * score
+        if first_call and self.stop_if_first_call_fails:
+            self._check_first_call(len(completions), errors, scored)
         return result
+
+    def _check_first_call(self, n: int, errors: dict[str, list[_Failure]], scored: set[str]) -> None:
+        """Stop when a function scored no completion of the first call and at least one of its calls was an error;
+        otherwise warn about the functions that failed on some (once each, like any later failure)."""
+        for spec, failures in errors.items():
+            if failures and spec not in scored:
+                raise RewardFunctionError(
+                    f"reward {spec!r} failed on all {n} completions of the first batch ({failures[0]}), so it would "
+                    f"train the whole run at reward 0; expected a function {REWARD_CONTRACT} that returns a number")
+            if failures:
+                self._report(spec, failures[0])

@@ -9,9 +9,13 @@
   (``before_push``).
 - ``ReferenceServing``: what an engine that also holds pi_ref adds (``data.reference_on_server``): ``WeightSync``
   pushes pi_ref into it, the data module asks it for pi_ref's log-probs of each batch.
+- ``AdapterEngine``: what an engine that takes LoRA adapters adds (``model.lora``): instead of the full weights,
+  ``WeightSync`` sends an ``AdapterUpdate`` (the merges into the base the engine has not applied yet, the adapter,
+  and the hash of the trainer's base after those merges), and the engine counts the merges it applied
+  (``merges_applied``) so that the next update carries only the newer ones.
 
-A new engine implements ``RolloutEngine`` (and ``RemoteEngine`` / ``ReferenceServing`` when it lives elsewhere or
-scores pi_ref); nothing else of it is read.
+A new engine implements ``RolloutEngine`` (and ``RemoteEngine`` / ``ReferenceServing`` / ``AdapterEngine`` when it
+lives elsewhere, scores pi_ref or takes adapters); nothing else of it is read.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from lit_grpo.batch import MicroBatch
+from lit_grpo.lora import AdapterUpdate  # noqa: F401 (one LoRA push: defined beside the functions that build it)
 
 
 @dataclass(frozen=True)
@@ -154,4 +159,29 @@ class ReferenceServing(Protocol):
                         autocast: str | None = None) -> tuple[torch.Tensor, str]:
         """pi_ref's log-probs ``[num_sequences, width]`` of the completions in ``micro_batches`` (under ``autocast``,
         the trainer's mixed-precision dtype, when given), and the version of pi_ref that computed them."""
+        ...
+
+
+@runtime_checkable
+class EngineSyncer(Protocol):
+    """Something that loads the policy's weights into the rollout engine during a fit: ``WeightSync``, or a callback
+    (or LightningModule) of one's own that says so with ``syncs_rollout_engine = True``. The data module looks for one
+    among the trainer's callbacks and on the module when a fit starts and warns when there is none: the engine would
+    keep the weights it started with, so every batch would come from the initial policy."""
+
+    syncs_rollout_engine: bool
+
+
+@runtime_checkable
+class AdapterEngine(Protocol):
+    """An engine that takes LoRA adapters (``model.lora``): it holds a base and an adapter of the policy's spec and
+    samples with both, unmerged."""
+
+    #: how many of the trainer's merges (``lit_grpo.lora.merge_log(policy).entries``) its base holds: the next update
+    #: carries ``entries[merges_applied:]``
+    merges_applied: int
+
+    def load_adapter(self, update: AdapterUpdate, step: int) -> None:
+        """Apply ``update.merges`` to the base, check ``update.base_hash`` (a ``ValueError`` naming both hashes when
+        they differ; the engine is then left unchanged where it can be), load ``update.adapter``, record ``step``."""
         ...

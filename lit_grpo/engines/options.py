@@ -51,6 +51,8 @@ class VLLMOptions:
         max_model_len: the longest prompt + completion; ``null`` takes the model's.
         enable_sleep_mode: free vLLM's GPU memory between rollouts.
         seed: vLLM's engine seed (each batch's requests are seeded from the batch's own seed).
+        lora_dir: with ``model.lora``, where the adapter versions pushed to vLLM are written (a fresh directory
+            inside it, removed when the engine closes); ``null``: the system's temporary directory.
         llm_kwargs: further ``vllm.LLM`` arguments.
     """
 
@@ -59,6 +61,7 @@ class VLLMOptions:
     max_model_len: int | None = None
     enable_sleep_mode: bool = False
     seed: int = 0
+    lora_dir: str | None = None
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -92,6 +95,12 @@ class ServerOptions:
         lockstep: after generating, agree over the ranks that every request succeeded (one all-reduce), so a
             failure stops every rank at once.
         packed: send a bucket's tensors packed into one ``uint8`` buffer (one broadcast per bucket).
+        lora_dir: ``kind: vllm`` with ``model.lora``: a directory rank 0 writes the adapter versions into and the
+            ``vllm serve`` reads them from (``/v1/load_lora_adapter`` takes a path), so it must be on a filesystem
+            both share, under the same path; required there.
+        lora_keep: ``kind: vllm`` with ``model.lora``: the adapter versions kept loaded on the server (older ones
+            are unloaded); None: K + 1 for ``data.max_staleness`` K, the fewest a request in flight may name. The
+            server's ``--max-loras`` must be at least this.
     """
 
     url: str | None = None
@@ -109,6 +118,8 @@ class ServerOptions:
     stop_token_ids: list[int] | None = None
     lockstep: bool = True
     packed: bool = True
+    lora_dir: str | None = None
+    lora_keep: int | None = None
 
     def __post_init__(self) -> None:
         # which servers is the engine's to check (ServerEngine): its message comes after the sampling checks that
@@ -120,6 +131,9 @@ class ServerOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if self.lora_keep is not None and (isinstance(self.lora_keep, bool) or not isinstance(self.lora_keep, int)
+                                           or self.lora_keep < 1):
+            raise ValueError(f"lora_keep must be an integer >= 1 (K + 1 adapter versions), got {self.lora_keep!r}")
         backends = ("gloo", "nccl")
         if self.backend is not None and self.backend not in backends:
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {backends}")

@@ -1,17 +1,21 @@
 """In-process rollout engine on a transformers causal LM: a private copy of the policy's weights, batched
-seeded sampling with a KV cache, one prompt prefill shared by the prompt's n completions."""
+seeded sampling with a KV cache, one prompt prefill shared by the prompt's n completions. With a LoRA policy
+(``model.lora``) the copy is a peft model too, base and adapter apart, and takes ``AdapterUpdate``s
+(``AdapterEngine``: ``lit_grpo.engines.adapters``)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from lit_grpo.batch import left_pad
 from lit_grpo.distributed import is_sharded
-from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig, ScoringLayout
+from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
 from lit_grpo.engines.kv_cache import preallocate
 from lit_grpo.engines.static_decoding import StaticDecoder
 from lit_grpo.math.logprobs import selective_log_softmax
@@ -20,6 +24,9 @@ from lit_grpo.scoring import completion_logprobs, positions_from_mask
 
 log = logging.getLogger(__name__)
 DECODE_MODES = ("auto", "static", "dynamic")
+#: the keys of ``state_dict`` beside the weights, for a LoRA copy
+LORA_SPEC_KEY = "lit_grpo.lora_spec"
+MERGES_KEY = "lit_grpo.merges_applied"
 
 
 def _check_request(prompts: list[list[int]], n: int) -> None:
@@ -56,6 +63,12 @@ class TransformersEngine(RolloutEngine):
     training, or the first ``generate``), on the device the model is on by then: a GPU run never holds a second
     full copy on the host. Until then the engine keeps a parameter-less skeleton. If the model is sharded (FSDP)
     by then, the copy's values come from the first ``load_weights``.
+
+    LoRA (``model.lora``; the engine is an ``AdapterEngine``): the copy holds the base and an adapter of the policy's
+    structure, unmerged, and samples with both (peft's forward, the trainer's). ``load_adapter`` receives the adapter
+    only, and the merges of the policy's ``RefModelSwap``s that its base lacks, applied with the trainer's own
+    function and checked by the base's hash. A copy made from a LoRA policy holds its base as it is, so it starts
+    with all the policy's merges applied (``merges_applied``).
     """
 
     def __init__(
@@ -85,6 +98,27 @@ class TransformersEngine(RolloutEngine):
         self.pad_token_id = int(pad_token_id)
         self.rescore = rescore
         self.synced_step = 0
+        #: merges of the policy's log the copy's base holds (``None``: the copy is not made yet, see ``merges_applied``)
+        self._merges_applied: int | None = None
+
+    @property
+    def merges_applied(self) -> int:
+        """How many of the policy's merges (``lit_grpo.lora.merge_log``) the copy's base holds. Before the copy is
+        made: those of the source, whose base it will copy."""
+        if self._merges_applied is None:
+            source = self._source if self._source is not None else self._model
+            self._merges_applied = source_merges(source) if source is not None else 0
+        return self._merges_applied
+
+    @merges_applied.setter
+    def merges_applied(self, value: int) -> None:
+        self._merges_applied = int(value)
+
+    @property
+    def needs_base_weights(self) -> bool:
+        """Whether the copy has (or will have) no values of its own: its source is sharded, so the first push must
+        be a full ``load_weights`` before any adapter (``WeightSync`` sends one then)."""
+        return not self._filled and (self._model is not None or is_sharded(self._source))
 
     @property
     def model(self) -> nn.Module:
@@ -100,12 +134,18 @@ class TransformersEngine(RolloutEngine):
         self._source = self._skeleton = None  # the engine must not keep the source's old tensors alive
         device = next(source.parameters()).device  # a DTensor reports its local device
         model = materialize(skeleton, device)
+        self._merges_applied = source_merges(source)  # its base is the source's as it is now
         if fill and not is_sharded(source):
-            with torch.no_grad():
-                for (name, mine), (src_name, theirs) in zip(model.named_parameters(), source.named_parameters()):
-                    if name != src_name:
-                        raise RuntimeError(f"rollout copy out of step with its source: {name} vs {src_name}")
-                    mine.copy_(theirs.detach())
+            from lit_grpo.lora import is_lora
+
+            if is_lora(source) and not is_lora(model):  # the policy got its adapter after the engine was made
+                model = copy_into_lora(model, source)
+            else:
+                with torch.no_grad():
+                    for (name, mine), (src_name, theirs) in zip(model.named_parameters(), source.named_parameters()):
+                        if name != src_name:
+                            raise RuntimeError(f"rollout copy out of step with its source: {name} vs {src_name}")
+                        mine.copy_(theirs.detach())
             self._filled = True
         return model
 
@@ -237,6 +277,30 @@ class TransformersEngine(RolloutEngine):
         self._filled = True
         self.synced_step = int(step)
 
+    @torch.no_grad()
+    def load_adapter(self, update: AdapterUpdate, step: int) -> None:
+        """A LoRA push: the copy becomes a peft model of ``update.spec``'s structure at the first one (its base is
+        the copy's), applies ``update.merges`` and checks ``update.base_hash`` (``lit_grpo.engines.adapters.
+        apply_adapter_update``: all or nothing, a one-line ``ValueError`` naming both hashes), loads the adapter and
+        records ``step``."""
+        from lit_grpo.engines.adapters import apply_adapter_update, ensure_lora
+
+        if not isinstance(update, AdapterUpdate):
+            raise TypeError(f"load_adapter takes an AdapterUpdate, got {type(update).__name__}")
+        self.merges_applied  # noqa: B018 (read before the copy is made: the source's count)
+        model = self.model  # makes the private copy (with the source's base) on first use
+        if not self._filled:
+            raise RuntimeError("the rollout engine holds no base weights yet: its source was sharded when the copy "
+                               "was made, so a full load_weights must come before the first adapter")
+        if self.owns_weights:
+            self._model = model = ensure_lora(model, update.spec)
+        elif ensure_lora(model, update.spec) is not model:
+            raise ValueError("an engine that samples from the policy itself (copy_weights=False) takes no adapter")
+        applied, _ = apply_adapter_update(model, update.merges, update.adapter, update.base_hash,
+                                          "the in-process rollout engine")
+        self.merges_applied = self.merges_applied + applied
+        self.synced_step = int(step)
+
     @torch.inference_mode()
     def score(self, layout: ScoringLayout, temperature: float) -> torch.Tensor | None:
         if not self.rescore:
@@ -247,6 +311,57 @@ class TransformersEngine(RolloutEngine):
             out[mb.rows, : logp.shape[1]] = logp
         return out
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.model.named_parameters()}
+    def state_dict(self) -> dict[str, Any]:
+        """The copy's weights by name; for a LoRA copy (peft names: base and adapter) also its spec (``LORA_SPEC_KEY``,
+        JSON) and the merges its base holds (``MERGES_KEY``), which an exact resume needs while it lags the policy."""
+        from lit_grpo.lora import is_lora, lora_spec
+
+        state: dict[str, Any] = {k: v.detach().cpu().clone() for k, v in self.model.named_parameters()}
+        if is_lora(self.model):
+            state[LORA_SPEC_KEY] = json.dumps(lora_spec(self.model))
+            state[MERGES_KEY] = int(self.merges_applied)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """Restore ``state_dict``'s weights (a LoRA copy: its adapter structure first, then base, adapter and
+        merge count)."""
+        from lit_grpo.engines.adapters import ensure_lora
+
+        state = dict(state)
+        spec, merges = state.pop(LORA_SPEC_KEY, None), state.pop(MERGES_KEY, None)
+        if spec is not None:
+            if self._model is None:
+                self._model = self._make_copy(fill=False)
+            if self.owns_weights:
+                self._model = ensure_lora(self._model, json.loads(spec))
+        self.load_weights(state.items(), step)
+        if merges is not None:
+            self.merges_applied = int(merges)
+
+
+def source_merges(source: nn.Module) -> int:
+    """How many merges of its log a LoRA policy's base holds (0 for a model without adapters)."""
+    from lit_grpo.lora import is_lora, merge_log
+
+    return len(merge_log(source)) if is_lora(source) else 0
+
+
+@torch.no_grad()
+def copy_into_lora(model: nn.Module, source: nn.Module) -> nn.Module:
+    """A plain copy ``model`` filled with the base of the LoRA policy ``source`` (names mapped from peft's), then
+    given the source's adapter structure and values."""
+    from lit_grpo.engines.adapters import wrap_with_spec
+    from lit_grpo.lora import adapter_state, load_adapter_state, lora_spec, plain_name
+
+    mine = dict(model.named_parameters())
+    for name, theirs in source.named_parameters():
+        if ".lora_" in name:
+            continue
+        plain = plain_name(name)
+        if plain not in mine:
+            raise RuntimeError(f"rollout copy out of step with its source: no {plain} (from {name})")
+        mine[plain].copy_(theirs.detach())
+    model = wrap_with_spec(model, lora_spec(source))
+    load_adapter_state(model, adapter_state(source))
+    return model
 

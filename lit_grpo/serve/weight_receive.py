@@ -1,9 +1,11 @@
 """The rollout server's side of a weight push: the weight-transfer routes (``/init_weight_transfer_engine`` ...
 ``/finish_weight_update``), the receive buffers, ``/weight_info`` and ``/weight_checker``.
 
-A push goes to the rollout policy (``target`` ``policy``, the default and vLLM's only one) or to the server's copy
+A push goes to the rollout policy (``target`` ``policy``, the default and vLLM's only one), to the server's copy
 of pi_ref (``{"target": "reference"}`` in ``/start_weight_update``, ``lit_grpo.serve.reference_routes``), which is
-made at its first push. A push is all or nothing: buckets are received into staging tensors and the model's
+made at its first push, or to the policy's LoRA adapter (``{"target": "adapter", "lora": {...}}``,
+``lit_grpo.serve.served_adapter``: the adapter tensors and the merges the base lacks, nothing else).
+A push is all or nothing: buckets are received into staging tensors and the model's
 parameters are switched to them only at ``/finish_weight_update``, once every parameter has arrived, while no
 generation runs. A push cut off anywhere before that (sender killed, bad bucket, timeout) is discarded and the
 server keeps its previous weights and ``weight_version``; the next push starts from ``/init_weight_transfer_engine``
@@ -22,11 +24,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from lit_grpo.serve.reference_routes import ReferenceRoutes
+from lit_grpo.serve.served_adapter import ServedAdapter
 from lit_grpo.serve.served_policy import ServedPolicy
 from lit_grpo.wire.protocol import HTTPFailure, number_field
 
-#: what a push may write: the rollout policy, or the server's copy of pi_ref
-PUSH_TARGETS = ("policy", "reference")
+#: what a push may write: the rollout policy, the server's copy of pi_ref, or the policy's LoRA adapter
+PUSH_TARGETS = ("policy", "reference", "adapter")
 
 
 class WeightReceiver:
@@ -42,9 +45,10 @@ class WeightReceiver:
     """
 
     def __init__(self, policy: ServedPolicy, reference: ReferenceRoutes, model_name: str,
-                 reuse_buffers: bool = True) -> None:
+                 reuse_buffers: bool = True, adapter: ServedAdapter | None = None) -> None:
         self.policy = policy
         self.reference = reference
+        self.adapter = adapter if adapter is not None else ServedAdapter(policy)
         self.model_name = model_name
         self.transfer_lock = threading.Lock()  # one weight-transfer call at a time
         self.group = None
@@ -61,6 +65,7 @@ class WeightReceiver:
         self._live: set[int] = set()  # data pointers of the buffers the parameters point into
         self._push_buffers: list[tuple[tuple[str, ...], Any]] = []
         self.push_target = "policy"
+        self.adapter_params: dict[str, Any] = {}
 
     def handlers(self) -> dict[str, Callable[[dict, dict], dict]]:
         """Its routes' handlers by the names ``lit_grpo.wire.protocol.ROUTES`` gives them."""
@@ -72,7 +77,10 @@ class WeightReceiver:
                 "weight_checker": self.weight_checker}
 
     def target_params(self) -> dict[str, Any]:
-        """The parameters the push in progress writes: the rollout policy's or pi_ref's."""
+        """The parameters the push in progress writes: the rollout policy's, pi_ref's or the adapter's (with the
+        merges the push carries)."""
+        if self.push_target == "adapter":
+            return self.adapter_params
         return self.reference.params if self.push_target == "reference" else self.policy.params
 
     @contextmanager
@@ -149,6 +157,9 @@ class WeightReceiver:
                 raise HTTPFailure(400, f"target must be one of {list(PUSH_TARGETS)}, got {target!r}")
             if target == "reference":
                 self.reference.ensure()
+            if target == "adapter":
+                self.adapter.start(body.get("lora"))
+                self.adapter_params = self.adapter.params()
             self.push_target = target
             self.staging = {}
             self._push_buffers = []
@@ -276,6 +287,10 @@ class WeightReceiver:
                                        f"{missing[:3]}); it is discarded and the weight version stays "
                                        f"{self.policy.weight_version!r}")
             staged, self.staging = self.staging, None
+            if self.push_target == "adapter":
+                self.adapter.install(staged, version)
+                return {"message": "Weight update finished", "target": "adapter",
+                        "weight_version": self.policy.weight_version, "lora": self.adapter.info()}
             if self.push_target == "reference":
                 self.reference.install(staged, version)
                 return {"message": "Weight update finished", "target": "reference",
@@ -303,7 +318,7 @@ class WeightReceiver:
                 "device": str(policy.device), "num_parameters": len(policy.params), "updating": staging is not None,
                 "staged_parameters": len(staging) if staging is not None else 0, "receiving": self.receiving,
                 "paused": policy.paused, "reference_version": self.reference.version,
-                "transfer_group": self.group is not None}
+                "transfer_group": self.group is not None, "lora": self.adapter.info()}
 
     def weight_checker(self, body: dict, query: dict) -> dict:
         from lit_grpo.wire.weight_transfer import checksum

@@ -36,7 +36,15 @@ from torch import nn
 
 from lit_grpo.batch import MicroBatch
 from lit_grpo.distributed import everyone, rank_and_world
-from lit_grpo.engines.base import Completion, ReferenceServing, RemoteEngine, Rollouts, SamplingConfig
+from lit_grpo.engines.base import (
+    AdapterEngine,
+    AdapterUpdate,
+    Completion,
+    ReferenceServing,
+    RemoteEngine,
+    Rollouts,
+    SamplingConfig,
+)
 from lit_grpo.engines.options import ServerOptions
 from lit_grpo.engines.remote.connection import ServerConnection
 from lit_grpo.engines.remote.reference_client import ReferenceClient
@@ -49,7 +57,7 @@ CHUNK_SEED_STRIDE = 1_000_003
 SEED_MODULUS = 2**62
 
 
-class ServerEngine(RemoteEngine, ReferenceServing):
+class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
     """Rollouts from rollout servers (``data.engine: server``, ``data.engine_options: {url: ..., ...}``).
 
     Args:
@@ -92,6 +100,8 @@ class ServerEngine(RemoteEngine, ReferenceServing):
         self.before_push: list[Callable[[], None]] = []
         self.pusher = WeightPusher(self.servers, options, self._server_dtype(options.dtype), policy)
         self.reference = ReferenceClient(self.servers[0], self.generate_timeout_s)
+        self._merges_applied: int | None = None  # asked of the servers at the first LoRA push
+        self.vllm_adapters = None  # kind vllm with model.lora: vllm_client.ServeAdapters, made at the first push
 
     # ---- servers ------------------------------------------------------------------------------------
     def _server_dtype(self, requested: str | None) -> torch.dtype:
@@ -152,6 +162,82 @@ class ServerEngine(RemoteEngine, ReferenceServing):
         for server in self.servers:
             server.expected_version = versions[server.url]
         self.synced_step = int(versions[self.servers[0].url])
+
+    @property
+    def merges_applied(self) -> int:
+        """How many of the policy's merges the servers' bases hold (``model.lora``): asked of them (``/weight_info``'s
+        ``lora``; 0 for a server that has had no adapter yet) until this engine has pushed, then counted here; every
+        server must hold the same number. The base hash sent with the merges checks it."""
+        if self._merges_applied is None:
+            if self.kind == "vllm":
+                self._merges_applied = 0  # vLLM starts from its own checkpoint; a merge is a full base push there
+            else:
+                counts = {s.url: int((s.client.get("/weight_info").get("lora") or {}).get("merges_applied", 0))
+                          for s in self.servers}
+                if len(set(counts.values())) > 1:
+                    raise ServerError(f"the rollout servers hold different numbers of merges {counts}: restart them "
+                                      "from the same base")
+                self._merges_applied = next(iter(counts.values()))
+        return self._merges_applied
+
+    @torch.no_grad()
+    def load_adapter(self, update: AdapterUpdate, step: int) -> None:
+        """A LoRA push (``model.lora``): the adapter, and the merges the servers' bases lack, to every server
+        (``lit_grpo.serve.served_adapter``: they sample with base plus adapter, unmerged, and check their base
+        against ``update.base_hash``). Only rank 0's update is sent; every rank holds the same one. With
+        ``data.reference_on_server`` the servers' pi_ref is their base with the adapter off, labelled with the merges
+        it holds, so no pi_ref is pushed."""
+        if not isinstance(update, AdapterUpdate):
+            raise TypeError(f"load_adapter takes an AdapterUpdate, got {type(update).__name__}")
+        if self.kind == "vllm":
+            self._load_vllm_adapter(update, step)
+            return
+        if self.pusher.dtype != next(iter(update.adapter.values())).dtype:
+            raise ValueError(f"model.lora with the project's server needs it to hold the policy's dtype "
+                             f"({next(iter(update.adapter.values())).dtype}), not {self.pusher.dtype}: its base must "
+                             "follow the trainer's merges bitwise; restart it with that --dtype")
+        held = self.merges_applied
+        self._before_push()
+        start = {"lora": {"spec": update.spec, "merges": len(update.merges), "base_hash": update.base_hash}}
+        tensors = [(f"merges.{i}.{name}", t) for i, merge in enumerate(update.merges) for name, t in merge.items()]
+        tensors += list(update.adapter.items())
+        try:
+            versions = self.pusher.push(iter(tensors), str(int(step)), "adapter", start)
+        except ServerError:
+            for server in self.servers:
+                server.expected_version = None
+            self._merges_applied = None  # ask the servers again at the next push
+            raise
+        for server in self.servers:
+            server.expected_version = versions[server.url]
+        self.synced_step = int(versions[self.servers[0].url])
+        self._merges_applied = held + len(update.merges)
+        if self.serves_reference:
+            self.reference_version = str(self._merges_applied)
+
+    def _load_vllm_adapter(self, update: AdapterUpdate, step: int) -> None:
+        """``kind: vllm``: the adapter as a new version loaded by path (``vllm_client.ServeAdapters``). vLLM's
+        base cannot be hashed under the model's names, so it gets the trainer's base instead (the full-weight push,
+        ``base_named_tensors``) at the first push of a fit and with every merge. A collective: every rank calls it."""
+        from lit_grpo.engines.remote.vllm_client import ServeAdapters
+        from lit_grpo.engines.vllm_lora import base_named_tensors
+
+        rank, _ = rank_and_world()
+        if self.vllm_adapters is None:
+            # None when built outside the data module, which sets K + 1: keep two, enough for K <= 1
+            keep = 2 if self.options.lora_keep is None else self.options.lora_keep
+            self.vllm_adapters = ServeAdapters(self.options.lora_dir, keep, rank)
+        if update.merges or self.vllm_adapters.current() is None:
+            self.load_weights(base_named_tensors(self.pusher.policy()), step)  # drains the producer first
+            self._merges_applied = self.merges_applied + len(update.merges)
+        else:
+            self._before_push()
+        error = self.vllm_adapters.push(self.servers, update, step)
+        if not everyone(error is None):
+            raise ServerError(error or "the adapter push failed on rank 0 (its log names the server and the error)")
+        for server in self.servers:
+            server.expected_version = str(int(step))
+        self.synced_step = int(step)
 
     @torch.no_grad()
     def load_reference(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
@@ -245,6 +331,9 @@ class ServerEngine(RemoteEngine, ReferenceServing):
                 "logprobs": 0, "return_token_ids": True, "return_weight_versions": True}
         if self.stop_token_ids:
             body["stop_token_ids"] = self.stop_token_ids
+        adapter = self.vllm_adapters.current() if self.vllm_adapters is not None else None
+        if adapter is not None:  # kind vllm with model.lora: the request names the newest adapter version
+            body["model"] = adapter[0]
         deadline = time.monotonic() + self.generate_timeout_s
         wait = 0.1
         while True:
@@ -256,6 +345,10 @@ class ServerEngine(RemoteEngine, ReferenceServing):
                     raise
                 time.sleep(wait)  # paused for another trainer's weight update: wait for /resume
                 wait = min(2 * wait, 2.0)
+        if adapter is not None:
+            from lit_grpo.engines.remote.vllm_client import with_adapter_versions
+
+            response = with_adapter_versions(response, adapter[1])
         return self._groups(server, response, len(prompts), n)
 
     def _groups(self, server: ServerConnection, response: dict, num_prompts: int, n: int) -> list[list[Completion]]:

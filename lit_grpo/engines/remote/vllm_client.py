@@ -98,7 +98,7 @@ def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: to
     failed: list[str] = []
     versions: dict[str, str] = {}
     for index, server in enumerate(servers):
-        tensors = iterator if index == 0 else full_named_parameters(policy())
+        tensors = iterator if index == 0 else policy_tensors(policy())
         try:
             client, source, trainer = vllm_parts(server, options, dtype, policy, rank)
             if rank == 0:
@@ -128,6 +128,29 @@ def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: to
     return {"error": None, "versions": versions}
 
 
+def policy_tensors(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a push sends for ``policy``: its full parameters, or for a LoRA policy its base under the plain model's
+    names (``lit_grpo.engines.vllm_lora.base_named_tensors``: vLLM takes the adapters by path)."""
+    from lit_grpo.lora import is_lora
+
+    if is_lora(policy):
+        from lit_grpo.engines.vllm_lora import base_named_tensors
+
+        return base_named_tensors(policy)
+    return iter(full_named_parameters(policy))
+
+
+def pushed_parameters(policy: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` of what ``policy_tensors`` sends, under the names vLLM loads, without gathering: a
+    LoRA policy's base (the plain model's names), else every parameter."""
+    from lit_grpo.distributed import strip_wrapper_prefixes
+    from lit_grpo.lora import is_lora, plain_name
+
+    if is_lora(policy):
+        return [(plain_name(name), p) for name, p in policy.named_parameters() if ".lora_" not in name]
+    return [(strip_wrapper_prefixes(name), p) for name, p in policy.named_parameters()]
+
+
 def versioned_vllm_client(url: str, timeout_s: float) -> Any:
     """vLLM's ``HTTPVLLMWeightSyncClient`` whose ``finish_weight_update`` carries the version being pushed
     (``send_weights`` calls it without one)."""
@@ -144,7 +167,8 @@ def versioned_vllm_client(url: str, timeout_s: float) -> Any:
 
 def policy_source(policy: nn.Module, dtype: torch.dtype) -> Any:
     """A vLLM ``WeightSource`` over the policy: metadata from the parameters' full shapes (no gather), under
-    their model names, in the wire dtype; each round replays the push's iterator (set as ``current``).
+    their model names (``pushed_parameters``: a LoRA policy's base), in the wire dtype; each round replays the
+    push's iterator (set as ``current``).
 
     vLLM 0.33 reads ``metadata`` as a cached property and the tensors from ``iter_full()``; 0.32 calls
     ``metadata()`` and iterates the source. The class is built for the installed version."""
@@ -152,11 +176,9 @@ def policy_source(policy: nn.Module, dtype: torch.dtype) -> Any:
 
     from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
-    from lit_grpo.distributed import strip_wrapper_prefixes
-
     def metadata(self: Any) -> list:
-        return [ParamMeta(strip_wrapper_prefixes(name), dtype if p.is_floating_point() else p.dtype,
-                          tuple(p.shape)) for name, p in policy.named_parameters()]
+        return [ParamMeta(name, dtype if p.is_floating_point() else p.dtype, tuple(p.shape))
+                for name, p in pushed_parameters(policy)]
 
     def tensors(self: Any) -> Iterator[tuple[str, torch.Tensor]]:
         current, self.current = self.current, None
@@ -168,3 +190,125 @@ def policy_source(policy: nn.Module, dtype: torch.dtype) -> Any:
     else:  # 0.32
         members = {"metadata": metadata, "__iter__": tensors}
     return type("PolicySource", (WeightSource,), {"current": None, **members})()
+
+
+# ---- LoRA adapters (model.lora) on vllm serve --------------------------------------------------------------
+#: what the adapters' names start with on the server; a fit's first push unloads earlier fits' leftovers
+ADAPTER_PREFIX = "lit_grpo-v"
+#: how ``vllm serve`` must be started to take adapters at run time
+LORA_SERVE_HINT = ("start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora --max-lora-rank R "
+                   "(R >= model.lora.r, one of 1, 8, 16, 32, ...) --max-loras N (N >= engine_options.lora_keep)")
+
+
+class ServeAdapters:
+    """The adapter versions of a LoRA policy on ``vllm serve`` (``ServerEngine`` with ``kind: vllm``).
+
+    Rank 0 writes each version in peft's format into a fresh directory inside ``lora_dir`` and loads it on every
+    server (``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``: the server reads the path, so ``lora_dir``
+    must be on a filesystem it shares with rank 0); the newest ``keep`` stay loaded, older ones are unloaded
+    (``/v1/unload_lora_adapter``) and removed. Every rank counts the versions alike, so each rank's requests name the
+    newest (``model: <name>``), and their completions are labelled with the step of the adapter they named: vLLM's
+    own ``weight_versions`` label the base, which an adapter push leaves as it is."""
+
+    def __init__(self, lora_dir: str | None, keep: int, rank: int) -> None:
+        import tempfile
+        from pathlib import Path
+
+        from lit_grpo.engines.vllm_lora import AdapterVersions
+
+        if not isinstance(lora_dir, str) or not lora_dir:
+            raise ValueError("model.lora with kind 'vllm' needs data.engine_options.lora_dir: a directory rank 0 "
+                             "writes the adapters into and vllm serve reads them from (a filesystem both share)")
+        root = Path(lora_dir).expanduser()
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            root = Path(tempfile.mkdtemp(prefix="lit_grpo_lora_", dir=str(root)))
+        self.versions = AdapterVersions(root, keep, prefix=ADAPTER_PREFIX)
+        self.rank = rank
+        self.steps: dict[int, int] = {}  # version id -> the optimizer step of its adapter
+
+    def current(self) -> tuple[str, str] | None:
+        """``(adapter name, its step as the completions' weight version)`` of the newest version, or None."""
+        version = self.versions.current
+        return None if version is None else (version.name, str(self.steps[version.id]))
+
+    def push(self, servers: list[ServerConnection], update: Any, step: int) -> str | None:
+        """Write and load the next version (rank 0), unload the stale ones; every rank counts it. Returns rank 0's
+        error message (None when it went through), for the ranks to share."""
+        first = self.versions.current is None
+        version = self.versions.add(update.spec, update.adapter, write=self.rank == 0)
+        self.steps[version.id] = int(step)
+        stale = self.versions.stale()
+        error = None
+        if self.rank == 0:
+            try:
+                for server in servers:
+                    if first:
+                        unload_leftovers(server)
+                    load_lora(server, version.name, str(version.path))
+                    for old in stale:
+                        post_for_text(server, "/v1/unload_lora_adapter", {"lora_name": old.name})
+            except ServerError as err:
+                error = str(err)
+        for old in stale:
+            self.versions.drop(old)
+            self.steps.pop(old.id, None)
+        if error is not None:
+            self.versions.drop(version)
+        return error
+
+
+def post_for_text(server: ServerConnection, path: str, body: dict) -> str:
+    """``POST`` a JSON ``body`` to one of vLLM's LoRA routes, which answer in plain text (not JSON, so not through
+    ``HTTPClient``); a ``ServerError`` naming the server, the route and vLLM's message when it refuses."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from lit_grpo.wire.protocol import error_message
+
+    client = server.client
+    headers = {"Content-Type": "application/json"}
+    if client.token:
+        headers["Authorization"] = f"Bearer {client.token}"
+    request = urllib.request.Request(client.url + path, data=json.dumps(body).encode(), headers=headers,
+                                     method="POST")
+    where = f"rollout server {client.url}: POST {path}"
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request,
+                                                                               timeout=client.timeout_s) as response:
+            return response.read().decode(errors="replace")
+    except urllib.error.HTTPError as err:
+        raise ServerError(f"{where} returned {err.code}: {error_message(err)}", status=err.code) from None
+    except (urllib.error.URLError, OSError) as err:
+        raise ServerError(f"{where} failed: {getattr(err, 'reason', err)}") from None
+
+
+def load_lora(server: ServerConnection, name: str, path: str) -> None:
+    """``POST /v1/load_lora_adapter``; a refusal becomes one line that says how to start the server."""
+    try:
+        post_for_text(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+    except ServerError as err:
+        raise ServerError(f"vllm serve at {server.url} refused the adapter {name} from {path}: {err}; "
+                          f"{LORA_SERVE_HINT}, and give it the path rank 0 writes (engine_options.lora_dir on a "
+                          "filesystem both share)") from None
+
+
+def unload_leftovers(server: ServerConnection) -> None:
+    """Unload adapters an earlier fit left on the server (names starting with ``ADAPTER_PREFIX``): this fit's
+    names restart at 1."""
+    models = server.client.get("/v1/models").get("data") or []
+    for model in models:
+        name = model.get("id") if isinstance(model, dict) else None
+        if isinstance(name, str) and name.startswith(ADAPTER_PREFIX):
+            post_for_text(server, "/v1/unload_lora_adapter", {"lora_name": name})
+
+
+def with_adapter_versions(response: dict, version: str) -> dict:
+    """The completion ``response`` of a request that named an adapter, its completions labelled with the
+    adapter's ``version`` (vLLM's ``weight_versions`` name the base's last push)."""
+    for choice in response.get("choices") or []:
+        if isinstance(choice, dict):
+            choice["weight_versions"] = [{"version": version}]
+    response.pop("weight_version", None)
+    return response

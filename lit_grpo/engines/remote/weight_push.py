@@ -98,9 +98,11 @@ class WeightPusher:
         return policy
 
     @torch.no_grad()
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, target: str) -> dict[str, str]:
-        """One push of ``target`` (``policy``, or the servers' copy of pi_ref: ``reference``) on every rank,
-        labelled ``version``; the servers' versions after it, or ``ServerError`` on every rank.
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, target: str,
+             start: dict[str, Any] | None = None) -> dict[str, str]:
+        """One push of ``target`` (``policy``, the servers' copy of pi_ref: ``reference``, or the policy's LoRA
+        adapter: ``adapter``, whose header ``start`` goes with ``/start_weight_update``) on every rank, labelled
+        ``version``; the servers' versions after it, or ``ServerError`` on every rank.
 
         Given a ``full_named_parameters`` iterator of an FSDP2 module that has not started (what ``WeightSync``
         passes), the project's server is fed by ``rank0_buckets``: the other ranks send their shards point to
@@ -114,7 +116,7 @@ class WeightPusher:
             outcome = push_vllm(self.servers, self.options, self.dtype, self.policy, iter(named_tensors),
                                 int(version), rank)
         elif rank == 0:
-            outcome = self._push(named_tensors, module, version, target)
+            outcome = self._push(named_tensors, module, version, target, start)
         else:
             for _ in rank0_buckets(module, self.bucket_bytes) if module is not None else named_tensors:
                 pass  # sends this rank's shards, or runs the gathers of the iterator
@@ -141,7 +143,7 @@ class WeightPusher:
         return ([(name, convert(tensor)) for name, tensor in bucket] for bucket in gathered)
 
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: nn.Module | None, version: str,
-              target: str = "policy") -> dict:
+              target: str = "policy", start: dict[str, Any] | None = None) -> dict:
         """Rank 0's push to the project's servers: the buckets are consumed to the end whatever happens (the other
         ranks are in the gathers)."""
         from lit_grpo.wire.weight_transfer import transport_device
@@ -152,7 +154,7 @@ class WeightPusher:
         mark = time.perf_counter()
         try:
             for server in self.servers:
-                self._begin(server, target)
+                self._begin(server, target, start)
         except Exception as err:  # noqa: BLE001 (reported on every rank after the gathers)
             failed.append(err)
         times["begin_s"] = time.perf_counter() - mark
@@ -187,17 +189,21 @@ class WeightPusher:
         if failed:
             for server in self.servers:
                 self._abandon(server)
-            what = f"weight push of step {version}" if target == "policy" else f"push of pi_ref version {version}"
+            what = {"policy": f"weight push of step {version}", "adapter": f"adapter push of step {version}"}.get(
+                target, f"push of pi_ref version {version}")
             return {"error": f"{what} failed: {failed[0]}"}
         return {"error": None, "versions": versions}
 
-    def _begin(self, server: ServerConnection, target: str = "policy") -> None:
+    def _begin(self, server: ServerConnection, target: str = "policy", start: dict[str, Any] | None = None) -> None:
         info = server.client.get("/weight_info")
         if server.group is None or not info.get("transfer_group"):
             self._init_group(server)
         if target == "policy":
             server.client.post("/pause", query={"mode": "wait"})
             server.client.post("/start_weight_update")
+        elif target == "adapter":  # generation reads the adapter: paused like a policy push
+            server.client.post("/pause", query={"mode": "wait"})
+            server.client.post("/start_weight_update", {"target": target, **(start or {})})
         else:  # generation goes on: it does not read pi_ref
             server.client.post("/start_weight_update", {"target": target})
 
@@ -280,9 +286,9 @@ class WeightPusher:
 
     def _finish(self, server: ServerConnection, version: str, target: str = "policy") -> str:
         server.client.post("/finish_weight_update", {"weight_version": version})
-        key = "weight_version" if target == "policy" else "reference_version"
+        key = "reference_version" if target == "reference" else "weight_version"
         got = version_text(server.client.get("/weight_info").get(key))
-        if target == "policy":
+        if target != "reference":
             server.client.post("/resume")
         if got != version:
             raise ServerError(f"rollout server {server.url} reports {key} {got!r} after a push of {version!r}")

@@ -1,0 +1,170 @@
+"""What the training CLI's ``validate``, ``test`` and ``predict`` run, once LightningCLI has built the model, the data
+module and the trainer (:class:`lit_grpo.cli.GRPOCLI` calls these; nothing here parses arguments).
+
+``validate`` and ``test`` are the Pass@k evaluation of the ``eval`` section, the implementation behind the
+``GSM8KPassAtK`` callback and ``python -m lit_grpo eval`` (:func:`lit_grpo.evaluation.evaluate_pass_at_k`), so all
+three report the same numbers for the same weights and settings. The datasets have a train and a test split only:
+``validate`` evaluates the split the ``eval`` section names (``eval.split``, by default ``test``), ``test`` always
+the test split. ``predict`` samples ``data.num_generations`` completions per prompt, with the training sampling
+settings, and writes them to a JSONL file with their rewards (``data.rewards``) where an answer is known.
+
+They run in this process on the trainer's device, not through ``Trainer.validate`` / ``test`` / ``predict``:
+GRPOModule has no validation step (Lightning would warn about it in every fit) and sampling needs no loop. The
+weights are the model's (``model.model_name``), or the policy of ``--ckpt_path`` (a file or a sharded directory).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_grpo.data.gsm8k import load_gsm8k
+from lit_grpo.data.prompts import prompt_ids
+from lit_grpo.data.rewards import RewardRunner
+from lit_grpo.engines.base import SamplingConfig
+from lit_grpo.evaluation import PassAtKSettings, evaluate_pass_at_k
+
+POLICY_PREFIX = "policy."
+#: prompts sampled together by ``predict`` (one generate call; a chunk's seed is derived from its first prompt)
+PREDICT_CHUNK = 8
+
+
+@dataclass(frozen=True)
+class PredictOptions:
+    """What ``python -m lit_grpo predict`` samples and where it writes (the ``predictions`` section).
+
+    Args:
+        output: the JSONL file to write, one line per prompt: ``question``, ``answer`` (when known),
+            ``completions`` (``data.num_generations`` texts, sampled with ``data.temperature``, ``data.top_p``,
+            ``data.max_new_tokens`` and ``data.system_prompt``) and, when an answer is known, ``rewards``
+            (``data.rewards`` weighted by ``data.reward_weights``, one per completion).
+        questions: a JSONL file of ``{"question": ...}`` rows (an ``"answer"`` field is optional and is scored);
+            None: the ``split`` split of ``data.dataset``.
+        split: the split of ``data.dataset`` to read when ``questions`` is None: ``train`` or ``test``.
+        num_questions: only the first N prompts (None: all).
+    """
+
+    output: str = "predictions.jsonl"
+    questions: str | None = None
+    split: str = "test"
+    num_questions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_questions is not None and self.num_questions < 1:
+            raise ValueError(f"num_questions must be >= 1 or None, got {self.num_questions}")
+        if self.split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {self.split!r}")
+        if not str(self.output).strip():
+            raise ValueError("output must name a file, got an empty string")
+
+
+def read_questions(path: str | Path) -> list[dict[str, str]]:
+    """The rows of a JSONL file of ``{"question": str, "answer": str (optional)}`` objects, blank lines skipped;
+    a ``ValueError`` names the file and line of the first bad one."""
+    path = Path(path).expanduser()
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise ValueError(f"cannot read questions file {path}: {err.strerror or err}") from err
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number} is not JSON ({err.msg}); expected one {{\"question\": ...}} object "
+                             "per line") from err
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str):
+            raise ValueError(f"{path}:{number}: expected an object with a string \"question\", got {line[:80]!r}")
+        if "answer" in row and not isinstance(row["answer"], str):
+            raise ValueError(f"{path}:{number}: \"answer\" must be a string, got {row['answer']!r}")
+        rows.append({"question": row["question"], **({"answer": row["answer"]} if "answer" in row else {})})
+    if not rows:
+        raise ValueError(f"questions file {path} holds no rows")
+    return rows
+
+
+def prediction_rows(options: PredictOptions, dataset: str) -> list[dict[str, str]]:
+    """The prompts ``predict`` samples: the questions file, else the split of ``dataset``; the first
+    ``num_questions`` of them."""
+    rows = read_questions(options.questions) if options.questions else load_gsm8k(dataset, split=options.split)
+    return rows if options.num_questions is None else rows[: options.num_questions]
+
+
+def evaluation_rows(dataset: str, split: str, num_questions: int | None) -> list[dict[str, str]]:
+    """The questions the ``eval`` section evaluates, on ``split``: the first ``num_questions`` (all when None)."""
+    rows = load_gsm8k(dataset, split=split)
+    return rows if num_questions is None else rows[:num_questions]
+
+
+def pass_at_k(policy: nn.Module, tokenizer: Any, rows: Sequence[dict], settings: PassAtKSettings,
+              judge: RewardRunner, device: torch.device) -> dict[int, float]:
+    """Pass@k of ``policy`` in float32 outside any autocast, as ``eval`` and the callback compute it."""
+    with torch.autocast(device.type, enabled=False):
+        return evaluate_pass_at_k(policy, tokenizer, rows, settings, judge=judge, device=device)
+
+
+def log_pass_at_k(loggers: Iterable[Any], results: dict[int, float], step: int) -> dict[str, float]:
+    """Log ``eval/pass@k`` for each k to every logger at ``step`` (the checkpoint's optimizer step, the axis the
+    training run logged its own Pass@k on), and flush them."""
+    metrics = {f"eval/pass@{k}": float(v) for k, v in results.items()}
+    for logger in loggers:
+        logger.log_metrics(metrics, step=step)
+        logger.save()
+        logger.finalize("success")
+    return metrics
+
+
+def pass_at_k_table(results: dict[int, float], questions: int, samples: int, seconds: float, title: str) -> str:
+    """The table ``eval`` prints, under a title line naming what was evaluated."""
+    lines = [title, f"{'k':>4}  pass@k   ({questions} questions x {samples} samples, {seconds:.1f} s)"]
+    lines += [f"{k:>4}  {value:.4f}" for k, value in results.items()]
+    return "\n".join(lines)
+
+
+def predictions(policy: nn.Module, tokenizer: Any, rows: Sequence[dict], num_generations: int,
+                sampling: SamplingConfig, system_prompt: str | None, rewards: RewardRunner, seed: int,
+                device: torch.device) -> Iterator[dict[str, Any]]:
+    """One record per row: its ``num_generations`` completions, and their rewards when the row has an answer.
+    Prompts are sampled ``PREDICT_CHUNK`` at a time, each chunk with a seed derived from ``seed`` and its first
+    row, so the same rows, weights and seed give the same file."""
+    from lit_grpo.engines.transformers_engine import TransformersEngine
+    from lit_grpo.models import eos_token_ids
+
+    engine = TransformersEngine(policy, eos_token_ids(tokenizer, policy), tokenizer.pad_token_id, copy_weights=False)
+    for start in range(0, len(rows), PREDICT_CHUNK):
+        chunk = rows[start: start + PREDICT_CHUNK]
+        prompts = [prompt_ids(tokenizer, row["question"], system_prompt) for row in chunk]
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            groups = engine.generate(prompts, num_generations, sampling, seed=seed * 1_000_003 + start)
+        for row, group in zip(chunk, groups):
+            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+            record: dict[str, Any] = {"question": row["question"]}
+            if "answer" in row:
+                record["answer"] = row["answer"]
+            record["completions"] = texts
+            record["truncated"] = [bool(c.truncated) for c in group]
+            if "answer" in row:
+                record["rewards"] = [float(r) for r in rewards(texts, [row["answer"]] * len(texts)).rewards]
+            yield record
+
+
+def write_jsonl(records: Iterable[dict[str, Any]], path: str | Path) -> int:
+    """Write ``records`` one JSON object a line (the parent folder is made); returns how many were written."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with path.open("w") as out:
+        for record in records:
+            out.write(json.dumps(record) + "\n")
+            out.flush()  # a long run leaves what it has written so far
+            count += 1
+    return count
+

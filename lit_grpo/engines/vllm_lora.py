@@ -1,0 +1,121 @@
+"""LoRA adapters (``model.lora``) in vLLM, both kinds: the colocated ``VLLMEngine`` and ``vllm serve``
+(``ServerEngine`` with ``kind: vllm``). vLLM is not imported here.
+
+vLLM takes adapters by path, through its own LoRA mechanism: each push writes a new adapter version in peft's format
+(``adapter_config.json`` + ``adapter_model.safetensors``, ``lit_grpo.lora.write_adapter``) into ``<dir>/v<k>``, and
+the requests name it (``LoRARequest("v<k>", k, path)`` colocated, ``model: "v<k>"`` for ``vllm serve``). The newest
+``keep`` versions stay loaded (K + 1, K = ``data.max_staleness``: a request sampled before a push may still name
+the previous one), older ones are unloaded and their directories removed (:class:`AdapterVersions`).
+
+A stage swap merges the adapter into the trainer's base (``lit_grpo.lora.swap_reference_by_merge``). vLLM's base
+weights are fused and cannot be read back under the model's names, so a merge reaches vLLM as a push of the
+trainer's merged base (:func:`base_named_tensors`, the plain model's names) through the full-weight path, then the
+new adapter.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+#: the values ``LLM(max_lora_rank=...)`` / ``vllm serve --max-lora-rank`` accept (``vllm/config/lora.py``,
+#: ``MaxLoRARanks``, vLLM 0.32)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(r: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds an adapter of rank ``r`` (vLLM pads smaller
+    adapters up to it). Raises ValueError for an ``r`` that is not an integer >= 1 or exceeds vLLM's largest."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"a LoRA rank must be an integer >= 1, got {r!r}")
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"LoRA rank {r} exceeds the largest vLLM serves ({VLLM_LORA_RANKS[-1]}); choose a smaller "
+                     "model.lora.r")
+
+
+def lora_llm_kwargs(spec: dict[str, Any], keep: int) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for sampling with adapters of ``spec`` (``lit_grpo.lora.lora_spec``), ``keep``
+    versions loaded at once: ``enable_lora``, ``max_lora_rank`` (:func:`vllm_max_lora_rank`), ``max_loras`` and
+    ``max_cpu_loras`` (``keep``: vLLM may cache no version beyond the ones kept)."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"the number of adapter versions kept must be an integer >= 1, got {keep!r}")
+    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(int(spec["r"])), "max_loras": keep,
+            "max_cpu_loras": keep}
+
+
+def base_named_tensors(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The LoRA policy's base weights (the adapters left out) under the plain model's names, full, one at a time:
+    what vLLM loads to follow a merge. A collective under FSDP (every rank iterates it to the end)."""
+    from lit_grpo.distributed import full_named_parameters
+    from lit_grpo.lora import plain_name
+
+    for name, tensor in full_named_parameters(policy):
+        if ".lora_" not in name:
+            yield plain_name(name), tensor
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    """One adapter version written for vLLM: its name (``v<k>``, what requests name), vLLM's integer id ``k``
+    (``LoRARequest.lora_int_id``, >= 1, never reused) and its directory."""
+
+    name: str
+    id: int
+    path: Path
+
+
+class AdapterVersions:
+    """The adapter versions written under ``root`` for one vLLM, newest last, of which the newest ``keep`` stay.
+
+    ``add`` writes the next version; ``stale`` names those beyond the newest ``keep`` (to unload), ``drop`` removes
+    one's directory once unloaded. Numbering starts at 1 (vLLM refuses id 0) and never repeats: vLLM caches an
+    adapter by its id, so a reused id would serve the old tensors."""
+
+    def __init__(self, root: str | Path, keep: int, prefix: str = "v") -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"the number of adapter versions kept must be an integer >= 1, got {keep!r}")
+        self.root = Path(root)
+        self.keep = keep
+        self.prefix = prefix
+        self.loaded: list[AdapterVersion] = []
+        self._next_id = 1
+
+    @property
+    def current(self) -> AdapterVersion | None:
+        """The newest version (the one new requests name), or None before the first push."""
+        return self.loaded[-1] if self.loaded else None
+
+    def add(self, spec: dict[str, Any], tensors: dict[str, torch.Tensor], write: bool = True) -> AdapterVersion:
+        """Write the next version (peft's format, ``lit_grpo.lora.write_adapter``) and make it the current one.
+        ``write=False`` only counts it (a rank that names the versions rank 0 writes)."""
+        from lit_grpo.lora import write_adapter
+
+        name = f"{self.prefix}{self._next_id}"
+        version = AdapterVersion(name, self._next_id, self.root / name)
+        if write:
+            write_adapter(spec, tensors, version.path)
+        self._next_id += 1
+        self.loaded.append(version)
+        return version
+
+    def stale(self) -> list[AdapterVersion]:
+        """The versions beyond the newest ``keep``, oldest first."""
+        return self.loaded[:-self.keep] if len(self.loaded) > self.keep else []
+
+    def drop(self, version: AdapterVersion) -> None:
+        """Forget ``version`` and remove its directory (after vLLM unloaded it)."""
+        self.loaded = [v for v in self.loaded if v.id != version.id]
+        shutil.rmtree(version.path, ignore_errors=True)
+
+    def clear(self) -> None:
+        """Remove every version's directory (at close)."""
+        for version in list(self.loaded):
+            self.drop(version)
