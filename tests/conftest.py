@@ -70,3 +70,13 @@ def recorded_steps(workdir, module, data, max_steps: int, every_n_batches: int =
 @pytest.fixture
 def recorder() -> MetricsRecorder:
     return MetricsRecorder()
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread, as the rollout servers of the tests run: the same thread count gives the same
+    floating-point sums, so a server's numbers can be compared with the trainer's exactly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

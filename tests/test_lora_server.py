@@ -40,15 +40,6 @@ def server(tmp_path_factory):
         process.kill()
 
 
-@pytest.fixture
-def one_thread():
-    # the server runs on one thread; the same thread count gives the same floating-point sums
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def lora_policy(seed: int = 0, base_seed: int | None = None):
     """The server's base (tiny-random-llama) or another one (``base_seed``), with an adapter of r = 1."""
     model, tokenizer = load_model_and_tokenizer("tiny-random-llama")

@@ -46,14 +46,6 @@ def tiny():
     return load_model_and_tokenizer("tiny-random-llama")  # the server builds the very same weights
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the server's thread count: the same floating-point sums
-    yield
-    torch.set_num_threads(before)
-
-
 def engine_for(server: ServerProcess, tiny) -> ServerEngine:
     model, tokenizer = tiny
     return ServerEngine(url=server.url, token=server.token, bucket_mb=0.05,

@@ -49,15 +49,6 @@ def tiny():
     return model, tokenizer, prompts
 
 
-@pytest.fixture
-def one_thread():
-    # the servers run on one thread; the same thread count gives the same floating-point sums
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def perturbed(model, seed: int):
     policy = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(seed)
