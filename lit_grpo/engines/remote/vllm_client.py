@@ -55,8 +55,11 @@ def vllm_parts(server: ServerConnection, options: ServerOptions, dtype: torch.dt
         return server.vllm
     try:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-    except ImportError as err:
-        raise ImportError("kind 'vllm' needs vLLM's trainer side: pip install 'lit_grpo[vllm]'") from err
+    except Exception as err:  # a CUDA-built torchvision fails with a RuntimeError, not an ImportError
+        from lit_grpo.engines.vllm_install import INSTALL_RECIPE, VLLMInstallError, import_failure
+
+        raise VLLMInstallError(f"kind 'vllm' pushes weights with vLLM's trainer side, so the trainer needs vLLM: "
+                               f"{import_failure(err)}; {INSTALL_RECIPE}") from err
     from lit_grpo.wire.weight_transfer import local_address_towards
 
     policy = policy_of()
