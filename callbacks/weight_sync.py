@@ -14,6 +14,7 @@ from lit_grpo.callbacks.protocol import check_weight_sync, engine_of, full_named
 
 from lit_grpo.engines.base import AdapterEngine, ReferenceServing, RolloutEngine
 from lit_grpo.lora import adapter_update, is_lora, merged_named_tensors, parameter_bytes
+from lit_grpo.measured_metrics import log_measured
 
 
 class WeightSync(Callback):
@@ -180,9 +181,13 @@ class WeightSync(Callback):
             # the metric is reduced over ranks, so every rank takes the same decision (the sync is a collective)
             self.syncs_by_interval += int(by_interval)
             self.syncs_by_tv += int(by_tv and not by_interval)
-            pl_module.log("sync/seconds", self.last_sync_seconds, on_step=True, batch_size=1)
-            pl_module.log("sync/bytes", float(self.last_push_bytes), on_step=True, batch_size=1)
+            # a sync's time and size exist at the steps that synced only: logged there, never repeated at the
+            # steps between syncs (lit_grpo.measured_metrics says why self.log alone would repeat them)
+            log_measured(pl_module, {"sync/seconds": self.last_sync_seconds, "sync/bytes": float(self.last_push_bytes)})
         self.deliver_due(trainer, pl_module)
+        # sync/count and the counts by reason are counters, measured at every step whether it synced or not (0 before
+        # the first sync, a step function in the plots, the last value the run's total): logged every step, always
+        # current, so Lightning's step cache never repeats a stale one
         pl_module.log("sync/count", float(self.num_syncs), on_step=True, batch_size=1)
         pl_module.log("sync/by_interval", float(self.syncs_by_interval), on_step=True, batch_size=1)
         pl_module.log("sync/by_tv", float(self.syncs_by_tv), on_step=True, batch_size=1)

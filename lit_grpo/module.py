@@ -40,6 +40,7 @@ from lit_grpo.math.aggregation import (
     zero_variance_masked_weights,
 )
 from lit_grpo.math.tv import tv_estimate
+from lit_grpo.measured_metrics import log_measured
 from lit_grpo.model_copies import frozen_copy
 from lit_grpo.models import disable_dropout, load_model_and_tokenizer
 from lit_grpo.optim import OptimizerArgs, build_optimizer
@@ -48,6 +49,7 @@ from lit_grpo.precision import check_trainer_precision, check_weights_dtype
 from lit_grpo.scoring import completion_logprobs
 from lit_grpo.stat_reduction import merge_stats
 from lit_grpo.step_metrics import (
+    MEASURED_AT_SOME_STEPS,
     UpdateCost,
     first_iteration_stats,
     log_completions,
@@ -411,6 +413,8 @@ class GRPOModule(L.LightningModule):
         metrics = step_metrics(reduced, len(iteration_stats), len(grad_norms), staleness, self._reference_served,
                                float(self.lr_schedulers().get_last_lr()[0]), cost)
         batch_size = batch.num_sequences
+        # Lightning would hand a value logged once to the loggers at every later step: these go at their step only
+        log_measured(self, {key: metrics.pop(key) for key in MEASURED_AT_SOME_STEPS if key in metrics})
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
         self.log("reward", metrics.get("rollout/reward_mean", 0.0), prog_bar=True, on_step=True, batch_size=batch_size)
         self.log("staleness", float(staleness), prog_bar=True, on_step=True, batch_size=batch_size)

@@ -21,6 +21,11 @@ from lit_grpo.flops import model_flops_utilisation, update_flops
 from lit_grpo.math.tv import logprob_gap, tv_estimate
 from lit_grpo.stat_reduction import ROLLOUT_PREFIX, iteration_key, over_iterations
 
+#: step metrics that only some steps measure: ``train/logp_gap_synced``, at the steps whose batch was sampled by the
+#: policy's current weights (staleness 0). ``GRPOModule`` logs them with ``lit_grpo.measured_metrics.log_measured``,
+#: so that the loggers get them at those steps only, never a stale value at the others.
+MEASURED_AT_SOME_STEPS = ("train/logp_gap_synced",)
+
 
 @dataclass(frozen=True)
 class UpdateCost:

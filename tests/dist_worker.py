@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
 from scripted_engine import ScriptedDataModule
 
@@ -200,9 +201,11 @@ def run_job(job: dict, workdir: str) -> dict:
     module = tiny_module(**job.get("module", {}))
     count = job.get("count_reductions", False)
     callbacks += [CountDDPReductions()] if count else []
+    # "tensorboard": the fit writes TensorBoard events under WORKDIR/tb (every step), read back by the test
+    logger = dict(logger=TensorBoardLogger(workdir, name="tb"), log_every_n_steps=1) if job.get("tensorboard") else {}
     trainer = tiny_trainer(workdir, max_steps=job["max_steps"], callbacks=callbacks, devices=world,
                            strategy=make_strategy(job.get("strategy", "single"), world),
-                           precision=job.get("precision", "32-true"))
+                           precision=job.get("precision", "32-true"), **logger)
     REDUCTIONS["count"] = 0
     with counting_reduce_scatters() if count else contextlib.nullcontext():
         trainer.fit(module, datamodule=data, ckpt_path=job.get("ckpt_in"))
@@ -217,6 +220,7 @@ def run_job(job: dict, workdir: str) -> dict:
         "versions": getattr(data, "versions", []),
         "pushed": pushed.versions,
         "engine_vs_policy": compare.steps if compare else None,
+        "tensorboard": str(Path(workdir) / "tb") if job.get("tensorboard") else None,
         "eval": evaluator.history if evaluator else None,
         "rank": trainer.global_rank,
         "world": trainer.world_size,

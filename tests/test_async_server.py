@@ -45,7 +45,7 @@ def runs(tmp_path_factory):
             "straight": job(first, 1, 6),
             "first_half": job(first, 1, 3, ckpt_out=ckpt),
             "k2": job(first, 2, 5),
-            "k1_v3": job(first, 1, 7, v=3),
+            "k1_v3": job(first, 1, 7, v=3, tensorboard=True),
             # the Theorem-1 monitor decides the pushes: any drift (TV > 0) syncs after every batch
             "k1_tv": job(first, 1, 5, v=10, max_tv=0.0),
             "frozen": dict(job(first, 1, 4), module=dict(beta=0.1, lr=1e-30)),
@@ -108,6 +108,21 @@ def test_staleness_stays_within_its_bound_and_every_version_was_held_by_the_serv
         assert len(versions) == 1 and versions[0] in pushed, (versions, pushed)
     # off-policy batches use the sampler's log-probs as alpha: the ratio moves once the policy has moved
     assert any(s["train/ratio_first_iteration_min"] < 1.0 for s in steps[k:])
+
+
+def test_at_k1_the_gap_and_the_sync_metrics_are_logged_only_at_the_steps_that_measured_them(runs):
+    """K = 1, v = 3: only batch 0 is sampled by the policy's own weights (batch 3 was requested before the push that
+    followed batch 2); pushes follow batches 2 and 5. Read from the fit's TensorBoard events: nothing is repeated at
+    the steps in between (Lightning would hand step 0's gap to the loggers at every step)."""
+    from lit_grpo.plots import read_scalars
+
+    scalars = read_scalars(runs[0]["k1_v3"]["tensorboard"])
+    staleness = scalars["train/staleness"]
+    assert [step for step, _ in staleness] == list(range(7))
+    assert [step for step, _ in scalars["train/logp_gap_synced"]] == [s for s, v in staleness if v == 0] == [0]
+    assert [step for step, _ in scalars["sync/seconds"]] == [2, 5]
+    assert [step for step, _ in scalars["sync/bytes"]] == [2, 5]
+    assert scalars["sync/count"] == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0), (4, 1.0), (5, 2.0), (6, 2.0)]
 
 
 def test_max_tv_still_decides_the_pushes_with_asynchronous_rollouts(runs):
