@@ -63,9 +63,13 @@ class ReferenceRoutes:
         """Make pi_ref's copy at its first push (the rollout policy's weights until the push lands). Called under
         the transfer lock, so no policy swap runs meanwhile."""
         if self.model is None:
+            from lit_grpo.lora import is_lora
             from lit_grpo.model_copies import frozen_copy
 
-            self.model = frozen_copy(self.policy.model).eval()
+            model = frozen_copy(self.policy.model)
+            if is_lora(model):  # a LoRA fit's served model, before a full fit's first policy push: pi_ref is plain
+                model = model.unload()
+            self.model = model.eval()
             self.params = dict(self.model.named_parameters())
 
     def install(self, staged: dict[str, Any], version: str | None) -> None:
@@ -99,7 +103,7 @@ class ReferenceRoutes:
         if not isinstance(items, list) or not items:
             raise HTTPFailure(400, "micro_batches must be a non-empty list")
         batches = [self._micro_batch(item, i) for i, item in enumerate(items)]
-        if self.model is None and self.adapter is not None and self.adapter.spec is not None:
+        if self.adapter is not None and self.adapter.spec is not None:  # not a copy an earlier full fit pushed
             return self._base_logprobs(batches, str(expected), float(temperature), autocast)
         with self.lock:
             if self.model is None or self.version is None:

@@ -83,6 +83,30 @@ class ServedAdapter:
                                    "base; restart it with the policy's model and --dtype")
         self.pending = {"merges": merges, "base_hash": digest}
 
+    def full_push_params(self) -> dict[str, Any]:
+        """The parameters a full (``policy``) push writes, by the plain model's names: the served model's own, or,
+        while it carries an adapter, its base's (peft's names without ``base_model.model.`` and ``.base_layer``), so
+        that a full fit that follows a LoRA fit pushes to this server as to a fresh one."""
+        from lit_grpo.lora import is_lora, plain_name
+
+        if not is_lora(self.policy.model):
+            return self.policy.params
+        return {plain_name(name): p for name, p in self.policy.params.items() if ".lora_" not in name}
+
+    def drop(self) -> None:
+        """Back to the plain model, after a full push wrote every base weight (call it inside ``swapped``).
+
+        Why: the adapter and the merges the base held belong to the LoRA fit that pushed them, and the full push
+        has replaced everything they applied to; keeping the peft model would sample with a stale adapter on top of
+        the new weights and report the old fit's merges. peft's ``unload`` takes the adapter layers out without
+        merging them (the push overwrote the base), and leaves the very parameters the push wrote. The next LoRA
+        fit's first push wraps the model again (``start``), with a fresh adapter and no merges."""
+        from lit_grpo.lora import is_lora
+
+        if is_lora(self.policy.model):
+            self.policy.set_model(self.policy.model.unload())
+        self.spec, self.merges_applied, self._hash, self.pending = None, 0, None, None
+
     def params(self) -> dict[str, Any]:
         """The tensors an adapter push must announce, by name (their dtype and shape are the server's): the merges
         the push declared, then the adapter."""

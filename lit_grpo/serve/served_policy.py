@@ -40,9 +40,14 @@ class ServedPolicy:
         """One generation: refused while paused, started once no swap runs, counted until it ends. Yields the abort
         epoch and the weight version it runs under."""
         with self.cond:
-            if self.paused:
-                raise HTTPFailure(503, "generation is paused (a weight update is in progress); retry after /resume")
-            while self.swapping:
+            # paused is checked again after every wait: a /pause?mode=wait that came while this generation waited
+            # out a swap has answered already (it counted no generation in flight), so this one must not start
+            while True:
+                if self.paused:
+                    raise HTTPFailure(503, "generation is paused (a weight update is in progress); retry after "
+                                           "/resume")
+                if not self.swapping:
+                    break
                 self.cond.wait()
             self.in_flight += 1
             epoch, version = self.abort_epoch, self.weight_version
@@ -54,7 +59,8 @@ class ServedPolicy:
                 self.cond.notify_all()
 
     def pause(self, abort: bool) -> None:
-        """Refuse new generations; ``abort`` ends the running ones at their next step; return once none runs."""
+        """Refuse new generations; ``abort`` ends the running ones at their next step; return once none runs. From
+        then until ``resume`` no generation runs: one still waiting for a swap to end is refused when it wakes."""
         with self.cond:
             self.paused = True
             if abort:

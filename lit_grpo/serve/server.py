@@ -13,8 +13,9 @@ Security: binds 127.0.0.1 unless ``--host`` says otherwise; every route but ``/h
 ``Authorization: Bearer <token>`` (compared with ``hmac.compare_digest``); there is no default token: it is read
 from ``--token-file`` or ``$LIT_GRPO_SERVER_TOKEN`` and the server refuses to start without one. Missing or
 wrong token: 401 and nothing changes. Bodies over ``--max-body-bytes``: 413; more prompts, completions per
-prompt or new tokens than the limits: 400. The weight bytes travel over torch.distributed, which has no
-authentication: the group is joined only when an authenticated request names it.
+prompt or new tokens than the limits: 400. A client has ``--read-timeout`` seconds to send its whole request and
+at most ``--max-connections`` are served at once (``serve.connections``). The weight bytes travel over
+torch.distributed, which has no authentication: the group is joined only when an authenticated request names it.
 
 The argument parser, the token and the limits are checked before torch or transformers is imported, so
 ``--help`` and argument errors answer at once.
@@ -29,10 +30,17 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from lit_grpo.serve.connections import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT_S,
+    BoundedHTTPServer,
+    DeadlineHandler,
+    check_connection_options,
+)
 from lit_grpo.serve.generation import GenerationRoutes
 from lit_grpo.serve.reference_routes import ReferenceRoutes
 from lit_grpo.serve.served_adapter import ServedAdapter
@@ -126,10 +134,13 @@ class RolloutServer:
             return 500, error_payload(500, f"{type(err).__name__}: {err}")
 
 
-def make_http_server(server: RolloutServer, host: str, port: int, log_requests: bool = False) -> ThreadingHTTPServer:
-    """A threading HTTP server that hands every request to ``server.handle`` (one connection per request)."""
+def make_http_server(server: RolloutServer, host: str, port: int, log_requests: bool = False,
+                     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS) -> ThreadingHTTPServer:
+    """A threading HTTP server that hands every request to ``server.handle`` (one connection per request), reads
+    each request within ``read_timeout_s`` and serves at most ``max_connections`` at once (``serve.connections``)."""
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(DeadlineHandler):
         server_version = "lit_grpo-rollout-server"
 
         def _serve(self, method: str) -> None:
@@ -155,9 +166,7 @@ def make_http_server(server: RolloutServer, host: str, port: int, log_requests: 
             if log_requests:
                 super().log_message(format, *args)
 
-    httpd = ThreadingHTTPServer((host, port), Handler)
-    httpd.daemon_threads = True
-    return httpd
+    return BoundedHTTPServer((host, port), Handler, read_timeout_s, max_connections)
 
 
 def read_token(token_file: str | None) -> str:
@@ -202,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-buffer-reuse", action="store_true",
                         help="allocate fresh receive buffers for every push (default on CPU: keep two sets)")
     parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
+    parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
+                        help="seconds a client has, from connecting, to send its whole request; a slower one is "
+                             f"dropped (default {DEFAULT_READ_TIMEOUT_S:g}; a generation may take longer)")
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help="connections served at once (a thread each); one more is answered 503 and closed "
+                             f"(default {DEFAULT_MAX_CONNECTIONS})")
     return parser
 
 
@@ -213,6 +228,7 @@ def main(argv: Sequence[str]) -> None:
     limits = Limits(args.max_body_bytes, args.max_prompts, args.max_n, args.max_tokens)
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
+    check_connection_options(args.read_timeout, args.max_connections)
     import torch
 
     from lit_grpo.models import load_model_and_tokenizer
@@ -227,7 +243,8 @@ def main(argv: Sequence[str]) -> None:
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     server = RolloutServer(model.to(device), tokenizer, args.model, token, limits,
                            reuse_buffers=not args.no_buffer_reuse)
-    httpd = make_http_server(server, args.host, args.port, args.log_requests)
+    httpd = make_http_server(server, args.host, args.port, args.log_requests, args.read_timeout,
+                             args.max_connections)
     host, port = httpd.server_address[:2]
     print(f"lit_grpo rollout server: {args.model} ({args.dtype}, {device}) listening on http://{host}:{port}",
           flush=True)

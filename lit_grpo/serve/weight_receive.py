@@ -66,6 +66,7 @@ class WeightReceiver:
         self._push_buffers: list[tuple[tuple[str, ...], Any]] = []
         self.push_target = "policy"
         self.adapter_params: dict[str, Any] = {}
+        self.policy_params: dict[str, Any] | None = None  # what the policy push in progress writes, by plain name
 
     def handlers(self) -> dict[str, Callable[[dict, dict], dict]]:
         """Its routes' handlers by the names ``lit_grpo.wire.protocol.ROUTES`` gives them."""
@@ -81,7 +82,9 @@ class WeightReceiver:
         merges the push carries)."""
         if self.push_target == "adapter":
             return self.adapter_params
-        return self.reference.params if self.push_target == "reference" else self.policy.params
+        if self.push_target == "reference":
+            return self.reference.params
+        return self.policy_params if self.policy_params is not None else self.policy.params
 
     @contextmanager
     def _transfer(self):  # noqa: ANN202
@@ -160,6 +163,8 @@ class WeightReceiver:
             if target == "adapter":
                 self.adapter.start(body.get("lora"))
                 self.adapter_params = self.adapter.params()
+            if target == "policy":  # the plain names, also while the served model carries a LoRA fit's adapter
+                self.policy_params = self.adapter.full_push_params()
             self.push_target = target
             self.staging = {}
             self._push_buffers = []
@@ -298,6 +303,9 @@ class WeightReceiver:
             with self.policy.swapped():
                 for name, tensor in staged.items():
                     params[name].data = tensor
+                # a full push after a LoRA fit: the weights are all new, the adapter goes (ServedAdapter.drop says
+                # why); here, once every tensor has arrived, so that a push cut off leaves the LoRA model as it was
+                self.adapter.drop()
                 self._live = {buffer.data_ptr() for _, buffer in self._push_buffers}
                 used = {key for key, _ in self._push_buffers}
                 self._pool = {key: buffers for key, buffers in self._pool.items() if key in used}
