@@ -69,8 +69,12 @@ class HFExport(Callback):
                 hparams = getattr(pl_module, "hparams", {})
                 write_adapter(spec, tensors, self.dirpath, base_model=hparams.get("model_name"))
         else:
-            state = {name: tensor.detach().cpu() for name, tensor in merged_named_tensors(policy)}
-            if trainer.is_global_zero:
+            tensors = merged_named_tensors(policy)  # a collective under FSDP: every rank walks it to the end
+            if not trainer.is_global_zero:
+                for _ in tensors:
+                    pass  # take part in each gather, keep nothing: the full merged model lives on rank 0's host only
+            else:
+                state = {name: tensor.detach().cpu() for name, tensor in tensors}
                 self.dirpath.mkdir(parents=True, exist_ok=True)
                 peft_model_of(policy).get_base_model().save_pretrained(self.dirpath, state_dict=state)
         tokenizer = getattr(pl_module, "tokenizer", None)

@@ -46,6 +46,7 @@ __all__ = ["DEBUG_ENV", "GRPOCLI", "TOOLS", "UsageError", "main", "one_line", "r
 
 
 SEED_ENV = "PL_GLOBAL_SEED"
+SEED_RANGE = (0, 2**32 - 1)  # numpy's seeds, the range lightning.seed_everything accepts
 #: the section callbacks that Lightning allows once per trainer (one state key each) -> (section, its options)
 SECTION_CALLBACKS: dict[type, tuple[str, str]] = {
     WeightSync: ("sync", "e.g. sync.every_n_batches, sync.max_tv"),
@@ -66,6 +67,14 @@ def rollout_seed_of(seed_everything: object) -> int:
         except ValueError:
             return 0
     return 0
+
+
+def seed_error(seed: object) -> str | None:
+    """What is wrong with an integer ``seed_everything`` (None: nothing; ``true`` / ``false`` are not integers
+    here): ``lightning.seed_everything`` takes numpy's seeds, the unsigned 32-bit integers."""
+    if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        return f"is out of range; expected an integer seed from {SEED_RANGE[0]} to {SEED_RANGE[1]} (or true, false)"
+    return None
 
 
 def server_kind(engine_options: Any) -> Any:
@@ -109,13 +118,19 @@ class GRPOCLI(OneLineErrorsCLI):
 
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001
         super().parse_arguments(parser, args)
-        # LightningCLI seeds from PL_GLOBAL_SEED when seed_everything is true, with a traceback for a bad value
+        # LightningCLI seeds before anything is built, with a traceback for a seed lightning.seed_everything refuses
+        seed = self._subcommand_config().get("seed_everything")
+        if (error := seed_error(seed)) is not None:
+            raise UsageError(f"seed_everything={seed!r} {error}", self._where("seed_everything"))
+        # with seed_everything true it seeds from PL_GLOBAL_SEED
         env = os.environ.get(SEED_ENV)
-        if self._subcommand_config().get("seed_everything") is True and env is not None:
+        if seed is True and env is not None:
             try:
-                int(env)
+                value = int(env)
             except ValueError:
                 raise UsageError(f"{SEED_ENV}={env!r} is not an integer seed", "the environment") from None
+            if (error := seed_error(value)) is not None:
+                raise UsageError(f"{SEED_ENV}={env!r} {error}", "the environment")
 
     def instantiate_classes(self) -> None:
         # build the model last, so that a bad value of the data module or a callback group (cheap to build, and
@@ -126,6 +141,7 @@ class GRPOCLI(OneLineErrorsCLI):
     def check_values(self) -> None:
         self._check_no_second_section_callback()
         self._map_trainer_knobs()
+        self._check_lora_sync()
         if self.subcommand in ("validate", "test", "predict"):
             self._check_one_process()
         if self.subcommand == "fit":
@@ -195,6 +211,18 @@ class GRPOCLI(OneLineErrorsCLI):
                              f"{self._where('trainer.gradient_clip_val')}; {model_where}")
         config["model.gradient_clip_val"] = float(clip)
         config["trainer.gradient_clip_val"] = None
+
+    def _check_lora_sync(self) -> None:
+        """``WeightSync`` refuses ``delay_batches`` with a LoRA policy and an engine that takes adapters (every
+        ``data.engine`` does) once the fit starts, after the model loaded: refused here instead, in one line."""
+        config = self._subcommand_config()
+        delay = config.get("sync.delay_batches")
+        lora = config.get("model.lora")
+        if self.subcommand == "fit" and lora is not None and isinstance(delay, int) and delay > 0:
+            raise UsageError(f"sync.delay_batches={delay} with model.lora: a delayed push carries full weights, and "
+                             "the rollout engines take a LoRA policy's adapter; expected sync.delay_batches 0 (use "
+                             "data.max_staleness for asynchronous rollouts)",
+                             f"{self._where('sync.delay_batches')}; {self._where('model.lora')}")
 
     def _check_one_process(self) -> None:
         config = self._subcommand_config()

@@ -55,7 +55,10 @@ class LoraArgs:
     Args:
         r: the adapters' rank.
         alpha: the scale's numerator: the update is ``(alpha / r) * B @ A``.
-        dropout: dropout on the adapter's input during training (0: none; the policy's own dropout stays off).
+        dropout: dropout on the adapter's input in the gradient pass (0: none; the policy's own dropout stays off).
+            Every scoring pass runs without it (pi_k, the TV monitors, pi_ref, the samplers), and the loss gets the
+            dropout-free values with the dropout pass's gradient (``lit_grpo.scoring.policy_logprobs``), so the
+            ratio pi / alpha stays exactly 1 at v = 1, i = 1; it costs one more no-grad forward per micro-batch.
         target_modules: the module names (last part, e.g. ``q_proj``) that get an adapter; None: every linear
             projection of attention and MLP found in the model (not the embeddings nor ``lm_head``).
     """

@@ -46,7 +46,7 @@ from lit_grpo.models import disable_dropout, load_model_and_tokenizer
 from lit_grpo.optim import OptimizerArgs, build_optimizer
 from lit_grpo.option_groups import as_group, plain
 from lit_grpo.precision import check_trainer_precision, check_weights_dtype
-from lit_grpo.scoring import completion_logprobs
+from lit_grpo.scoring import active_dropout, completion_logprobs, dropout_off, policy_logprobs
 from lit_grpo.stat_reduction import merge_stats
 from lit_grpo.step_metrics import (
     MEASURED_AT_SOME_STEPS,
@@ -152,7 +152,9 @@ class GRPOModule(L.LightningModule):
         self.policy_parameters = parameter_count(self.policy)
         if self.lora_args is not None:  # after disable_dropout, which would also zero the adapters' own dropout
             self.policy = apply_lora(self.policy, self.lora_args)
-        self.policy.train()  # from_pretrained returns eval mode; with dropout off the two modes compute the same
+        # from_pretrained returns eval mode; with dropout off the two modes compute the same (LoRA's own dropout
+        # stays on in train mode, for the gradient pass only: every scoring pass turns it off, lit_grpo.scoring)
+        self.policy.train()
         # pi_ref is made on first use (`configure_model` under a trainer, else the first access of `reference`),
         # so that on an accelerator it is copied straight there instead of doubling the policy on the host
         self._modules["reference"] = None  # the property below reads it; set directly, past the property
@@ -308,7 +310,7 @@ class GRPOModule(L.LightningModule):
             self._reference_served = True
             return [mb.take(batch.reference_logp) for mb in micro_batches]
         if lora_reference:
-            with peft_model_of(self.policy).disable_adapter():
+            with peft_model_of(self.policy).disable_adapter(), dropout_off(self.policy):
                 return [completion_logprobs(self.policy, mb, self.hparams.temperature)[0] for mb in micro_batches]
         return [completion_logprobs(self.reference, mb, self.hparams.temperature)[0] for mb in micro_batches]
 
@@ -368,7 +370,9 @@ class GRPOModule(L.LightningModule):
         extrema that merge over micro-batches and ranks) and pi_k's log-probs (this forward's at iteration 0)."""
         hp = self.hparams
         first = iteration == 0
-        logp, entropy = completion_logprobs(self.policy, mb, hp.temperature, with_entropy=hp.log_entropy and first)
+        # with LoRA dropout: the values of the policy without dropout (pi_k at iteration 0, the ratio's numerator),
+        # the gradient of the pass with dropout (lit_grpo.scoring.policy_logprobs)
+        logp, entropy = policy_logprobs(self.policy, mb, hp.temperature, with_entropy=hp.log_entropy and first)
         pik_logp = logp.detach() if first else pik_logp
         alpha_logp = alpha_logprobs(batch, mb, pik_logp)
         loss, stats = check_loss_output(self.policy_loss.name, self.loss_fn(
@@ -394,7 +398,8 @@ class GRPOModule(L.LightningModule):
         (one no-grad pass; every rank makes it, so sharded ranks stay in step). A device tensor: no host sync."""
         sums = []
         for j, mb in enumerate(micro_batches):
-            logp, _ = completion_logprobs(self.policy, mb, self.hparams.temperature)
+            with dropout_off(self.policy):  # the policy itself, as the sampler runs it (LoRA dropout off)
+                logp, _ = completion_logprobs(self.policy, mb, self.hparams.temperature)
             sums.append(tv_estimate(logp, alpha_logprobs(batch, mb, pik_logps[j]), mb.completion_mask).sum)
         return torch.stack(sums).sum()
 
@@ -407,8 +412,11 @@ class GRPOModule(L.LightningModule):
         hp = self.hparams
         reduced = reduce_stats(step_statistics(iteration_stats, grad_norms, batch.stats, update_seconds))
         # pi_ref's pass counts where it ran: not here when the rollout server made it
+        # LoRA dropout adds one dropout-free no-grad pass per iteration (lit_grpo.scoring.policy_logprobs)
+        dropout_passes = hp.iterations_per_batch if active_dropout(self.policy) else 0
         cost = UpdateCost(parameters=self.policy_parameters, reference_pass=hp.beta > 0 and not self._reference_served,
-                          extra_no_grad_passes=int(hp.monitor_tv_after_update), devices=rank_and_world()[1],
+                          extra_no_grad_passes=int(hp.monitor_tv_after_update) + dropout_passes,
+                          devices=rank_and_world()[1],
                           peak_flops=device_peak_flops(self.device, hp.peak_flops))
         metrics = step_metrics(reduced, len(iteration_stats), len(grad_norms), staleness, self._reference_served,
                                float(self.lr_schedulers().get_last_lr()[0]), cost)

@@ -1,9 +1,14 @@
-"""Token log-probs of completions under a causal LM, with one prompt forward shared by its completions."""
+"""Token log-probs of completions under a causal LM, with one prompt forward shared by its completions, and the
+policy's log-probs for a gradient pass when the policy has dropout (LoRA's ``lora.dropout``)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 
 from lit_grpo.batch import MicroBatch
 from lit_grpo.math.logprobs import selective_log_softmax_with_normaliser, token_entropy
@@ -93,3 +98,59 @@ def _logits_with_shared_prompt(model: nn.Module, mb: MicroBatch) -> list[tuple[t
         ).logits
         pieces.append((rest, mb.completion_ids[:, 1:]))
     return pieces
+
+
+def active_dropout(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` now drops activations: a dropout layer with ``p > 0`` in train mode (the
+    policy's own dropout is zeroed at load, ``lit_grpo.models.disable_dropout``; LoRA's ``lora.dropout`` is not)."""
+    return any(isinstance(m, _DropoutNd) and m.training and m.p > 0 for m in model.modules())
+
+
+@contextlib.contextmanager
+def dropout_off(model: nn.Module) -> Iterator[None]:
+    """Every dropout layer of ``model`` in eval mode inside the block, restored after. Only the dropout layers:
+    the model keeps its train mode, so activation checkpointing (which keys off it) takes the same code path as
+    the gradient pass and a dropout-free forward gives the same numbers as one with ``p = 0``."""
+    switched = [m for m in model.modules() if isinstance(m, _DropoutNd) and m.training]
+    for module in switched:
+        module.training = False
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.training = True
+
+
+class _ValueOfFirst(torch.autograd.Function):
+    """``value`` forward, the gradient to ``carrier`` backward (a straight-through substitution). Written as a
+    function rather than ``value + (carrier - carrier.detach())`` so that the value is exact also where the
+    carrier is infinite."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, carrier: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return value.to(carrier.dtype).clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # noqa: ANN001
+        return None, grad
+
+
+def policy_logprobs(
+    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-probs a gradient pass feeds the loss: :func:`completion_logprobs`, or, when ``model`` has active
+    dropout and grad is on, log-probs whose *values* are the policy's without dropout (a no-grad pass inside
+    :func:`dropout_off`) and whose *gradient* is that of a forward with dropout.
+
+    Why: the ratio pi / alpha of eq. 6 and the TV terms of Theorem 1 compare the policy with the sampler, which
+    samples and scores without dropout. With dropout in the numerator, the ratio at v = 1, i = 1 would be a random
+    mask's, not 1; with the substitution it is exactly 1 there (and pi_k, the first iteration's values, is the
+    policy itself), while the update still gets dropout's noisy gradient, ``ratio * A * grad log pi_dropout``.
+    Costs one extra no-grad forward per micro-batch; without dropout nothing changes. The entropy comes from the
+    dropout-free pass."""
+    if not (torch.is_grad_enabled() and active_dropout(model)):
+        return completion_logprobs(model, mb, temperature, with_entropy)
+    with torch.no_grad(), dropout_off(model):
+        value, entropy = completion_logprobs(model, mb, temperature, with_entropy)
+    carrier, _ = completion_logprobs(model, mb, temperature)
+    return _ValueOfFirst.apply(value, carrier), entropy

@@ -232,3 +232,106 @@ def test_lora_invariants_hold_in_bf16_mixed(tmp_path, recorder):
     assert all(s["train/ratio_first_iteration_min"] == 1.0 == s["train/ratio_first_iteration_max"] for s in steps)
     assert [s["train/kl"] == 0.0 for s in steps] == [True, False, True, False, True]  # swaps after steps 2 and 4
     assert steps[-1]["ref/swaps"] == 2.0
+
+
+def dropout_module():
+    torch.manual_seed(0)
+    return tiny_module(beta=0.1, lr=1e-2, lora=LoraArgs(r=4, dropout=0.5))
+
+
+def adapter_grads(module, batch, make_logprobs, seed: int) -> list[torch.Tensor]:
+    torch.manual_seed(seed)  # the same dropout masks for every pass made with this seed
+    module.policy.zero_grad(set_to_none=True)
+    total = sum((make_logprobs(module.policy, mb, 1.0)[0] * mb.completion_mask).sum() for mb in batch.micro_batches())
+    total.backward()
+    return [p.grad.clone() for p in adapter_parameters(module.policy)]
+
+
+def test_lora_dropout_acts_on_the_gradient_only_and_the_values_are_the_policys():
+    """lora.dropout: the gradient pass's log-probs have the dropout-free policy's values (what the sampler and pi_k
+    compute) and the gradient of a forward with dropout; the dropout layers are back in train mode after."""
+    from lit_grpo import scoring
+
+    module = dropout_module()
+    perturb_adapter(module)  # B != 0: dropout on the adapter's input changes the output
+    batch = batch_of(module)
+    assert scoring.active_dropout(module.policy)
+    with scoring.dropout_off(module.policy):
+        clean = policy_logprobs(module, batch)
+        assert not scoring.active_dropout(module.policy) and module.policy.training  # the dropout layers only
+    assert scoring.active_dropout(module.policy)
+    noisy = policy_logprobs(module, batch)  # no grad, dropout on: a random mask's values
+    for mb, want, rough in zip(batch.micro_batches(), clean, noisy):
+        got, _ = scoring.policy_logprobs(module.policy, mb, 1.0)
+        assert got.requires_grad and torch.equal(got.detach(), want)  # bit for bit the dropout-free policy
+        assert (rough - want).abs().max() > 1e-4  # dropout does change a forward
+    dropout_grads = adapter_grads(module, batch, completion_logprobs, seed=7)
+    substituted = adapter_grads(module, batch, scoring.policy_logprobs, seed=7)
+    with scoring.dropout_off(module.policy):
+        clean_grads = adapter_grads(module, batch, completion_logprobs, seed=7)
+    for got, want in zip(substituted, dropout_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert any((got - clean).abs().max() > 1e-6 for got, clean in zip(substituted, clean_grads))
+
+def test_lora_dropout_keeps_the_first_iteration_ratio_exactly_one_at_v1_i1(tmp_path, recorder):
+    """lora.dropout 0.5, v = 1, i = 1, the engine scoring alpha itself: pi_k, the ratio's numerator and the TV
+    monitors are the dropout-free policy, as the engine's synced copy is, so the first-iteration ratio is exactly 1
+    and both TV terms 0 at every step (with dropout in those passes the ratio ranged over [0.78, 1.32])."""
+    module, data = dropout_module(), tiny_data(reuse_policy_logprobs=False)
+    trainer = tiny_trainer(tmp_path, max_steps=3, callbacks=[WeightSync(every_n_batches=1), recorder])
+    trainer.fit(module, datamodule=data)
+    steps = recorder.steps
+    assert len(steps) == 3 and steps[-1]["sync/count"] == 3.0
+    assert all(s["train/ratio_first_iteration_min"] == 1.0 == s["train/ratio_first_iteration_max"] for s in steps)
+    assert all(s["tv/pik_alpha"] == 0.0 for s in steps)
+    assert steps[-1]["train/kl"] > 0  # the adapter moved: a dropout mask would have shown in the ratio
+
+
+class RankOf:
+    """What ``HFExport.write_lora`` reads of a trainer, for one rank of a run."""
+
+    def __init__(self, rank: int) -> None:
+        self.is_global_zero = rank == 0
+        self.barriers = 0
+        self.strategy = self
+
+    def barrier(self, name=None) -> None:
+        self.barriers += 1
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_merged_lora_export_is_built_on_rank_zero_only(rank, tmp_path, monkeypatch):
+    """HFExport of a LoRA policy, merged: every rank walks the merged tensors to the end (each is a gather under
+    FSDP), but only rank 0 keeps them; another rank holds one merged tensor at a time, not the whole model."""
+    import gc
+    import weakref
+
+    import lit_grpo.callbacks.hf_export as hf_export
+    import numpy as np
+
+    module = lora_module()
+    perturb_adapter(module)
+    merged = [(name, tensor.detach().clone()) for name, tensor in hf_export.merged_named_tensors(module.policy)]
+    alive: list[weakref.ref] = []
+    most_alive: list[int] = []
+
+    def tracked(policy):
+        assert policy is module.policy
+        for name, tensor in merged:
+            array = np.array(tensor.numpy())  # a fresh buffer per tensor, observed through its weak reference
+            alive.append(weakref.ref(array))
+            yield name, torch.from_numpy(array)
+            del array
+            gc.collect()
+            most_alive.append(sum(ref() is not None for ref in alive))
+
+    monkeypatch.setattr(hf_export, "merged_named_tensors", tracked)
+    trainer = RankOf(rank)
+    HFExport(tmp_path / "merged").write_lora(trainer, module, module.policy)
+    assert len(most_alive) == len(merged) > 2 and trainer.barriers == 1  # walked to the end, then waited
+    if rank == 0:
+        assert max(most_alive) == len(merged)  # rank 0 builds the state dict it writes
+        assert (tmp_path / "merged" / "model.safetensors").is_file()
+    else:
+        assert max(most_alive) <= 1  # the tensor in hand only
+        assert not (tmp_path / "merged").exists()
