@@ -29,7 +29,7 @@ def test_a_mapping_becomes_the_group_of_its_engine():
     server = engine_options("server", {"url": "http://127.0.0.1:8765", "timeout_s": 120, "bucket_mb": 0.05})
     assert (server.url, server.timeout_s, server.bucket_bytes, server.transfer_backend) == (
         "http://127.0.0.1:8765", 120, int(0.05 * 2**20), "gloo")
-    assert engine_options("server", {"kind": "vllm", "url": "http://h:1"}).transfer_backend == "nccl"
+    assert engine_options("server", {"kind": "vllm", "url": "http://127.0.0.1:1"}).transfer_backend == "nccl"
     given = ServerOptions(url="http://h:1")
     assert engine_options("server", given) is given
 

@@ -279,7 +279,7 @@ def test_vllm_serve_loads_each_adapter_by_path_keeps_k_plus_1_and_follows_a_merg
         print(f"vllm serve with LoRA answered after {server.wait_ready():.1f} s")
         policy = lora_policy()
         engine = ServerEngine(url=server.url, kind="vllm", backend="gloo", dtype="float32", policy=policy,
-                              timeout_s=120, lora_dir=str(tmp_path / "shared"), lora_keep=2)
+                              timeout_s=120, lora_dir=str(tmp_path / "shared"), lora_keep=2, token=server.token)
 
         def adapters_loaded() -> set[str]:
             return {m["id"] for m in server.get("/v1/models")["data"] if m["id"].startswith(ADAPTER_PREFIX)}
@@ -320,6 +320,10 @@ def test_vllm_serve_loads_each_adapter_by_path_keeps_k_plus_1_and_follows_a_merg
             load_lora(engine.servers[0], "lit_grpo-bad", str(tmp_path / "not-shared"))
         print(f"refusal: {str(refused.value)[:300]}")
         assert "\n" not in str(refused.value)
+        # --api-key guards the adapter routes: without the token, no path is read
+        valid = str(engine.vllm_adapters.versions.root / f"{ADAPTER_PREFIX}3")
+        status, _ = server.post_status("/v1/load_lora_adapter", {"lora_name": "lit_grpo-x", "lora_path": valid})
+        assert status == 401 and adapters_loaded() == {f"{ADAPTER_PREFIX}2", f"{ADAPTER_PREFIX}3"}
         engine.close()
     finally:
         server.stop()

@@ -16,7 +16,16 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_helpers import VLLMServe, mean_gap, perturbed, requires_vllm, save_model, tiny_vllm_llama, weight_digest
+from vllm_helpers import (
+    VLLMServe,
+    free_port,
+    mean_gap,
+    perturbed,
+    requires_vllm,
+    save_model,
+    tiny_vllm_llama,
+    weight_digest,
+)
 
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.plots import read_scalars
@@ -41,10 +50,11 @@ def served(tmp_path_factory):
         server.stop()
 
 
-def client(server: VLLMServe, model):  # noqa: ANN001, ANN201
+def client(server: VLLMServe, model, token: str | None = None):  # noqa: ANN001, ANN201
     from lit_grpo.engines.remote.client import ServerEngine
 
-    return ServerEngine(url=server.url, kind="vllm", backend="gloo", dtype="float32", policy=model, timeout_s=120)
+    return ServerEngine(url=server.url, kind="vllm", backend="gloo", dtype="float32", policy=model, timeout_s=120,
+                        token=token or server.token)
 
 
 def unfused_digests(model) -> dict[str, str]:  # noqa: ANN001
@@ -90,6 +100,55 @@ def test_generation_pushes_versions_and_weight_checker(served):
     engine.close()
 
 
+def test_pushes_without_the_token_are_refused_and_change_no_weight(served):
+    from lit_grpo.wire.protocol import ServerError
+
+    server, _ = served
+    model, _ = tiny_vllm_llama()
+    engine = client(server, model)
+    engine.load_weights(model.named_parameters(), step=65)
+    # no push group from here on, as on a fresh server: the refused requests below find none to use
+    assert server.post_status("/shutdown_weight_transfer_engine")[0] == 200
+    before = engine.weight_checksums()[server.url]
+    sampled = engine.generate(PROMPTS, 2, SAMPLING, seed=5)
+    attacker = perturbed(tiny_vllm_llama()[0], scale=0.5, seed=9)
+
+    # a trainer with the wrong token: refused at the init, at once (not after the transfer timeout)
+    wrong = client(server, attacker, token="not-" + server.token)
+    start = time.monotonic()
+    with pytest.raises(ServerError, match="refused: missing or wrong token") as refused:
+        wrong.load_weights(attacker.named_parameters(), step=66)
+    print(f"refused in {time.monotonic() - start:.1f} s: {refused.value}")
+    assert time.monotonic() - start < 60 and "\n" not in str(refused.value)
+    wrong.close()
+    # an init with no token at all, the way anyone reaching the port can send it (no trainer needed)
+    init_info = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+    status, text = server.post_status("/init_weight_transfer_engine", {"init_info": init_info})
+    assert status >= 400 and "missing or wrong token" in text
+    # and with no group, the update routes load nothing
+    for route, body in (("/start_weight_update", {}),
+                        ("/update_weights", {"update_info": {"names": ["model.norm.weight"],
+                                                             "dtype_names": ["float32"], "shapes": [[64]]}}),
+                        ("/finish_weight_update", {"weight_version": "66"})):
+        status, text = server.post_status(route, body)
+        assert status >= 400, (route, text)
+    assert server.get("/is_paused") == {"is_paused": False}  # the refused push resumed the server
+    assert engine.weight_checksums()[server.url] == before  # every parameter, byte for byte
+    assert engine.weight_versions() == {server.url: "65"}
+    again = engine.generate(PROMPTS, 2, SAMPLING, seed=5)
+    assert [[(c.token_ids, c.logprobs) for c in g] for g in again] == [
+        [(c.token_ids, c.logprobs) for c in g] for g in sampled]
+    engine.close()
+
+    # the right token still pushes (a fresh trainer side: the group of the first push was shut down above)
+    right = client(server, attacker)
+    right.load_weights(attacker.named_parameters(), step=67)
+    assert right.weight_versions() == {server.url: "67"}
+    assert right.weight_checksums()[server.url] != before
+    assert mean_gap(attacker, PROMPTS, right.generate(PROMPTS, 2, SAMPLING, seed=5)) <= 1e-4
+    right.close()
+
+
 def test_pause_holds_requests_until_resume(served):
     server, _ = served
     model, _ = tiny_vllm_llama()
@@ -111,7 +170,7 @@ def test_pause_holds_requests_until_resume(served):
 def test_asynchronous_fit_against_vllm_serve(served, tmp_path):
     server, model_dir = served
     options = dict(url=server.url, kind="vllm", backend="gloo", dtype="float32", timeout_s=120)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", LIT_GRPO_SERVER_TOKEN=server.token)
     proc = subprocess.run(
         [sys.executable, "-m", "lit_grpo", "fit", "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
          "--model.model_name", str(model_dir), "--trainer.max_steps", "3", "--data.prompts_per_step", "4",

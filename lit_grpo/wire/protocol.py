@@ -25,8 +25,8 @@ The project's server (``python -m lit_grpo serve``) speaks the subset of ``vllm 
 - ``GET /health`` (no token).
 
 Every route but ``/health`` needs ``Authorization: Bearer <token>``; the token has no default and is read from a
-file or ``$LIT_GRPO_SERVER_TOKEN`` (``TOKEN_ENV``). An error answer is ``{"error": {"message", "type", "code"}}``
-(``error_payload``), the shape vLLM's server uses.
+file or ``$LIT_GRPO_SERVER_TOKEN`` (``TOKEN_ENV``; ``lit_grpo.wire.auth`` reads it). An error answer is
+``{"error": {"message", "type", "code"}}`` (``error_payload``), the shape vLLM's server uses.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlencode
 
-TOKEN_ENV = "LIT_GRPO_SERVER_TOKEN"
-MIN_TOKEN_CHARS = 16
+from lit_grpo.wire.auth import MIN_TOKEN_CHARS, TOKEN_ENV  # noqa: F401 (the token's rules live in auth)
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 #: fields of a completion request that change nothing here (vLLM accepts them too)
 IGNORED_FIELDS = {"model", "user", "request_id", "skip_special_tokens", "spaces_between_special_tokens",

@@ -15,6 +15,13 @@ it (``weight_transfer.open_store`` / ``open_group``, the same primitives as the 
 announces every tensor's name, dtype and shape in ``/update_weights``; both sides then cut the same list into
 buckets of at most ``bucket_bytes`` (``bucket_spans``), and each bucket travels as one ``uint8`` broadcast.
 
+Authentication: vLLM guards only its ``/v1`` routes (``--api-key``); ``/init_weight_transfer_engine`` and the other
+dev routes are open to whoever reaches the port. So the worker joins a group only for an init that carries the shared
+token (``LIT_GRPO_SERVER_TOKEN``, or a file named by ``LIT_GRPO_SERVER_TOKEN_FILE``, in ``vllm serve``'s environment;
+``lit_grpo.wire.auth``) and whose store is on this machine (unless ``LIT_GRPO_ALLOW_REMOTE_PUSH=1``). A refused init
+changes nothing: the group it would have joined is not joined, a group already formed stays, and with no group an
+update is refused before any layer is touched.
+
 Written against vLLM 0.32 and 0.33, whose ``WeightSource`` differs (0.32: ``metadata()`` and ``__iter__``; 0.33:
 ``metadata`` as a cached property and ``iter_full()``): :func:`source_metadata` and :func:`source_tensors` read
 either. vLLM is imported only by the functions that need it, so importing this module stays cheap.
@@ -23,14 +30,16 @@ either. vLLM is imported only by the functions that need it, so importing this m
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from lit_grpo.wire.auth import push_refusal
 from lit_grpo.wire.weight_transfer import (
     close_group,
     dtype_from_name,
@@ -66,6 +75,20 @@ def bucket_spans(sizes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
     return spans
 
 
+def wait_for_peer(store: dist.Store, keys: int, answer: Future, timeout_s: float, poll_s: float = 0.01) -> None:
+    """Block until the push group's store holds more than ``keys`` keys (a worker connected to it, so it passed its
+    checks and is joining) or ``answer``, the init request, has come back: it comes back before this rank joins
+    only when the server refused the init, whose error is raised here. ``TimeoutError`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while store.num_keys() <= keys:
+        if answer.done():
+            answer.result()  # the refusal
+            raise RuntimeError("the server answered the weight-transfer init without joining the group")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no vLLM worker joined the weight-transfer group within {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
 def source_metadata(source: Any) -> list[Any]:
     """``ParamMeta`` of a vLLM ``WeightSource``: a method in 0.32, a cached property in 0.33."""
     meta = source.metadata
@@ -80,8 +103,8 @@ def source_tensors(source: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 @dataclass
 class GlooWeightTransferInitInfo:
-    """What a vLLM worker needs to join the push group: the trainer's store and the worker's place in the group
-    (``rank_offset`` + its global worker rank)."""
+    """What a vLLM worker needs to join the push group: the trainer's store, the worker's place in the group
+    (``rank_offset`` + its global worker rank) and the shared token, which the worker checks before anything else."""
 
     master_address: str
     master_port: int
@@ -89,6 +112,7 @@ class GlooWeightTransferInitInfo:
     world_size: int
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
+    token: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -133,6 +157,10 @@ def make_worker_engine_class() -> type:
             self.timeout_s = DEFAULT_TIMEOUT_S
 
         def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+            # checked before the current group is dropped: a refused init leaves the engine as it was
+            refusal = push_refusal(str(init_info.master_address), init_info.token)
+            if refusal is not None:
+                raise PermissionError(f"gloo weight transfer refused: {refusal}")
             self.shutdown()
             self.bucket_bytes = int(init_info.bucket_bytes)
             self.timeout_s = float(init_info.timeout_s)
@@ -146,6 +174,10 @@ def make_worker_engine_class() -> type:
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+            # the route is open: without a group an authenticated init formed, leave the layers where they are
+            if self.group is None:
+                raise RuntimeError("gloo weight transfer not initialised: an init with the server's token must "
+                                   "come first")
             initialize_layerwise_reload(self.model)
 
         def finish_weight_update(self) -> None:
@@ -183,7 +215,8 @@ def make_trainer_engine_class() -> type:
     @dataclass
     class GlooTrainerInitInfo(TrainerInitInfo):
         """Trainer-side init info: where rank 0 opens the store (``master_port`` 0: a port the system picks),
-        the whole group's size (1 + the server's workers), the bucket size and the timeout."""
+        the whole group's size (1 + the server's workers), the bucket size, the timeout and the token the server's
+        workers check."""
 
         backend: ClassVar[str] = BACKEND
 
@@ -192,6 +225,7 @@ def make_trainer_engine_class() -> type:
         world_size: int
         bucket_bytes: int = DEFAULT_BUCKET_BYTES
         timeout_s: float = DEFAULT_TIMEOUT_S
+        token: str | None = field(default=None, repr=False)
 
     class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         """Rank 0 sends: it announces the round (``/update_weights`` on a side thread, which blocks in the
@@ -221,15 +255,23 @@ def make_trainer_engine_class() -> type:
             engine.store, engine.listener = open_store(init_info.master_address, engine.timeout_s)
             worker_info = GlooWeightTransferInitInfo(
                 init_info.master_address, engine.store.port, 1, init_info.world_size, engine.bucket_bytes,
-                engine.timeout_s)
-            # the workers block in init until every rank has joined the group, this one included
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                future = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
-                try:
-                    engine.group = open_group(engine.store, 0, init_info.world_size, "gloo", engine.timeout_s,
-                                              init_info.master_address)
-                finally:
-                    future.result()
+                engine.timeout_s, init_info.token)
+            # the workers answer the init once every rank has joined the group, this one included, so the init runs
+            # on a thread; this rank joins only once a worker has written to the store (it passed its checks), so a
+            # refused init leaves no join waiting out its timeout (gloo ends the process when one does)
+            pool = ThreadPoolExecutor(max_workers=1)
+            try:
+                keys = engine.store.num_keys()
+                answer = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
+                wait_for_peer(engine.store, keys, answer, engine.timeout_s)
+                engine.group = open_group(engine.store, 0, init_info.world_size, "gloo", engine.timeout_s,
+                                          init_info.master_address)
+                answer.result()
+            except BaseException:
+                engine.shutdown()
+                raise
+            finally:
+                pool.shutdown(wait=False)
             # in the trainer's process only (not imported at the top: vLLM's own processes load this module too)
             from lit_grpo.distributed import close_at_exit
 
@@ -304,9 +346,10 @@ def register() -> None:
 
 
 def trainer_init_info(master_address: str, world_size: int, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
-    """The trainer's init info for this backend (registers it first)."""
+                      timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None = None) -> Any:
+    """The trainer's init info for this backend (registers it first); ``token``: the one ``vllm serve`` was started
+    with, which its workers check."""
     register()
-    return _registered["init_info"](master_address, 0, world_size, bucket_bytes, timeout_s, rank=rank)
+    return _registered["init_info"](master_address, 0, world_size, bucket_bytes, timeout_s, token, rank=rank)
 
 

@@ -24,7 +24,6 @@ Generation is two steps (``RemoteEngine``), so that a background thread can run 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +49,8 @@ from lit_grpo.engines.remote.connection import ServerConnection
 from lit_grpo.engines.remote.reference_client import ReferenceClient
 from lit_grpo.engines.remote.weight_push import WeightPusher
 from lit_grpo.option_groups import as_group, plain
-from lit_grpo.wire.protocol import TOKEN_ENV, ServerError, version_text
+from lit_grpo.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV, find_token
+from lit_grpo.wire.protocol import ServerError, version_text
 
 #: seeds of the chunks after the first when prompts are spread over several servers
 CHUNK_SEED_STRIDE = 1_000_003
@@ -77,14 +77,14 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         urls = [options.url] if options.url is not None else list(options.urls or [])
         if not urls or len(set(urls)) != len(urls) or not all(isinstance(u, str) for u in urls):
             raise ValueError(f"urls must be a non-empty list of distinct server URLs, got {urls!r}")
-        token = options.token
-        if token is None and options.token_file is not None:
-            with open(os.path.expanduser(options.token_file)) as f:
-                token = f.read().strip()
-        if token is None:
-            token = os.environ.get(TOKEN_ENV, "").strip() or None
+        token = options.token if options.token is not None else find_token(options.token_file)[0]
         if token is None and options.kind == "lit_grpo":
-            raise ValueError(f"ServerEngine needs the server's token: engine_options.token, token_file or ${TOKEN_ENV}")
+            raise ValueError(f"ServerEngine needs the server's token: engine_options.token, token_file, "
+                             f"${TOKEN_FILE_ENV} or ${TOKEN_ENV}")
+        if token is None and options.transfer_backend == "gloo":  # the plugin refuses a push without it
+            raise ValueError(f"kind 'vllm' with backend 'gloo' needs the token vllm serve was started with "
+                             f"(${TOKEN_ENV} in its environment, and --api-key): engine_options.token, token_file, "
+                             f"${TOKEN_FILE_ENV} or ${TOKEN_ENV}")
         self.kind = options.kind
         self.timeout_s = float(options.timeout_s)
         self.generate_timeout_s = float(options.generate_timeout_s)

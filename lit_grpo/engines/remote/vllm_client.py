@@ -66,26 +66,29 @@ def vllm_parts(server: ServerConnection, options: ServerOptions, dtype: torch.dt
     if is_fsdp1(policy):
         raise ValueError("kind 'vllm' cannot declare FSDP1 (FullyShardedDataParallel) parameters; use FSDP2 "
                          "(ModelParallelStrategy) or DDP")
-    client = versioned_vllm_client(server.url, options.timeout_s)
+    client = versioned_vllm_client(server.url, options.timeout_s, server.client.token)
     source = policy_source(policy, dtype)
     world = 1 + int(server.client.get("/get_world_size")["world_size"])
     address = options.transfer_address or local_address_towards(server.host)
-    info = trainer_init_info(options.transfer_backend, address, world, rank, options.bucket_bytes, options.timeout_s)
+    info = trainer_init_info(options.transfer_backend, address, world, rank, options.bucket_bytes, options.timeout_s,
+                             server.client.token)
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     server.vllm = (client, source, trainer)
     return server.vllm
 
 
-def trainer_init_info(backend: str, address: str, world: int, rank: int, bucket_bytes: int, timeout_s: float) -> Any:
+def trainer_init_info(backend: str, address: str, world: int, rank: int, bucket_bytes: int, timeout_s: float,
+                      token: str | None = None) -> Any:
     """vLLM's trainer-side init info for the push ``backend``: its own ``nccl`` (GPUs), or this package's ``gloo``
-    (``lit_grpo.wire.vllm_gloo``; the server must run with ``--weight-transfer-config '{"backend": "gloo"}'``).
+    (``lit_grpo.wire.vllm_gloo``; the server must run with ``--weight-transfer-config '{"backend": "gloo"}'``), which
+    carries the shared ``token`` its workers check (vLLM's ``nccl`` engine checks none).
     Either way the rest of the push is the same ``trainer_init`` / ``send_weights``."""
     from lit_grpo.engines.vllm_engine import free_port
 
     if backend == "gloo":
         from lit_grpo.wire.vllm_gloo import trainer_init_info as gloo_init_info
 
-        return gloo_init_info(address, world, rank, bucket_bytes, timeout_s)
+        return gloo_init_info(address, world, rank, bucket_bytes, timeout_s, token)
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
     return NCCLTrainerInitInfo(address, free_port() if rank == 0 else 0, world, rank=rank)
@@ -154,13 +157,20 @@ def pushed_parameters(policy: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(strip_wrapper_prefixes(name), p) for name, p in policy.named_parameters()]
 
 
-def versioned_vllm_client(url: str, timeout_s: float) -> Any:
+def versioned_vllm_client(url: str, timeout_s: float, token: str | None = None) -> Any:
     """vLLM's ``HTTPVLLMWeightSyncClient`` whose ``finish_weight_update`` carries the version being pushed
-    (``send_weights`` calls it without one)."""
+    (``send_weights`` calls it without one), whose calls send the bearer ``token`` (vLLM's ``--api-key`` guards only
+    ``/v1``, but a proxy in front may guard the rest) and whose errors carry the server's message (a refused init
+    says why)."""
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    from lit_grpo.wire.protocol import HTTPClient
 
     class VersionedClient(HTTPVLLMWeightSyncClient):
         next_version: str | None = None
+
+        def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+            HTTPClient(self.base_url, token, self.timeout).post("/" + path, json)
 
         def finish_weight_update(self, weight_version: str | None = None) -> None:
             super().finish_weight_update(weight_version if weight_version is not None else self.next_version)
