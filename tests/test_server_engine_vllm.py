@@ -1,12 +1,14 @@
 """``ServerEngine(kind="vllm")`` against stand-ins: a fake ``vllm.distributed.weight_transfer`` shaped like vLLM
 0.33's trainer side (``NCCLTrainerInitInfo``, ``WeightTransferTrainerFactory.trainer_init``,
 ``HTTPVLLMWeightSyncClient``, ``WeightSource``/``ParamMeta``; its ``send_weights`` follows
-``NCCLTrainerWeightTransferEngine.send_weights``: start, update alongside the broadcast, finish without a version)
-and a fake ``vllm serve`` HTTP server that records every route, query and body. No GPU, no vLLM."""
+``NCCLTrainerWeightTransferEngine.send_weights``: start, update alongside the broadcast, finish without a version;
+``base``'s ``TrainerInitInfo`` and ``TrainerWeightTransferEngine``, which the gloo plugin builds on) and a fake
+``vllm serve`` HTTP server that records every route, query and body. No GPU, no vLLM."""
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 import time
@@ -26,6 +28,7 @@ from lit_grpo.data.producer import RolloutProducer
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.remote.client import ServerEngine
 from lit_grpo.engines.vllm_engine import prompt_seed
+from lit_grpo.lora import LoraArgs, adapter_update, apply_lora
 from lit_grpo.models import tiny_llama
 from lit_grpo.wire.protocol import ServerError
 
@@ -99,8 +102,31 @@ class NCCLTrainerInitInfo:
         return self.rank == 0
 
 
+@dataclass
+class TrainerInitInfo:
+    """``base.TrainerInitInfo``: the trainer rank, keyword-only; rank 0 sends."""
+
+    backend: ClassVar[str]
+    rank: int = field(kw_only=True)
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == 0
+
+
+class TrainerWeightTransferEngine:
+    """``base.TrainerWeightTransferEngine``: holds the client and the source; ``shutdown`` does nothing."""
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
+        self.client, self.source, self.is_sender = client, source, is_sender
+
+    def shutdown(self) -> None:
+        pass
+
+
 class FakeTrainerEngine:
-    """``NCCLTrainerWeightTransferEngine`` without NCCL: the "broadcast" records the tensors it would send."""
+    """``NCCLTrainerWeightTransferEngine`` without NCCL: the "broadcast" records the tensors it would send;
+    ``shutdown`` (its communicator's destroy) is counted."""
 
     instances: ClassVar[list] = []
 
@@ -108,7 +134,11 @@ class FakeTrainerEngine:
         self.client, self.source, self.info = client, source, info
         self.is_sender = info.is_sender
         self.rounds: list[list[tuple[str, torch.Tensor]]] = []
+        self.shutdowns = 0
         FakeTrainerEngine.instances.append(self)
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
 
     @classmethod
     def trainer_init(cls, init_info: NCCLTrainerInitInfo, *, client: Any, source: Any) -> FakeTrainerEngine:
@@ -155,7 +185,10 @@ class WeightTransferTrainerFactory:
 @pytest.fixture
 def fake_vllm(monkeypatch):
     modules = {name: types.ModuleType(name) for name in (
-        "vllm", "vllm.distributed", "vllm.distributed.weight_transfer", "vllm.distributed.weight_transfer.nccl_engine")}
+        "vllm", "vllm.distributed", "vllm.distributed.weight_transfer", "vllm.distributed.weight_transfer.nccl_engine",
+        "vllm.distributed.weight_transfer.base")}
+    base = modules["vllm.distributed.weight_transfer.base"]
+    base.TrainerInitInfo, base.TrainerWeightTransferEngine = TrainerInitInfo, TrainerWeightTransferEngine
     wt = modules["vllm.distributed.weight_transfer"]
     wt.ParamMeta, wt.WeightSource = ParamMeta, WeightSource
     wt.HTTPVLLMWeightSyncClient = HTTPVLLMWeightSyncClient
@@ -316,10 +349,93 @@ def test_vllm_failed_push_names_the_server_resumes_it_and_starts_over(fake_vllm,
     assert consumed == [name for name, _ in model.named_parameters()]  # drained: other ranks are in the gathers
     assert fake_server.routes()[-1] == ("POST", "/resume")
     assert ("POST", "/finish_weight_update") not in fake_server.routes()
+    (broken,) = FakeTrainerEngine.instances
+    assert broken.shutdowns == 1  # its group and what it holds are released, not left to the end of the process
     fake_server.fail = set()
     fake_server.calls.clear()
     engine.load_weights(model.named_parameters(), step=7)
     assert ("POST", "/init_weight_transfer_engine") in fake_server.routes() and engine.synced_step == 7
+    fresh = FakeTrainerEngine.instances[-1]
+    assert fresh is not broken and fresh.shutdowns == 0
+    engine.close()
+    engine.close()  # again (as at exit): nothing more
+    assert (broken.shutdowns, fresh.shutdowns) == (1, 1)
+
+
+def test_vllm_failed_push_whose_shutdown_fails_still_raises_the_push_error(fake_vllm, fake_server, monkeypatch):
+    def broken_shutdown(self: FakeTrainerEngine) -> None:
+        raise RuntimeError("communicator already gone")
+
+    monkeypatch.setattr(FakeTrainerEngine, "shutdown", broken_shutdown)
+    model = tiny_llama(vocab_size=100)
+    engine = ServerEngine(url=fake_server.url, kind="vllm", policy=model, timeout_s=10)
+    fake_server.fail = {"/update_weights"}
+    with pytest.warns(UserWarning, match="weight-transfer engine failed: communicator already gone"), \
+            pytest.raises(ServerError, match="weight push of step 1 to .* failed on rank 0"):
+        engine.load_weights(model.named_parameters(), step=1)
+    fake_server.fail = set()
+    engine.load_weights(model.named_parameters(), step=2)  # a new group
+    assert len(FakeTrainerEngine.instances) == 2 and engine.synced_step == 2
+
+
+def test_vllm_serve_adapter_directory_stays_while_the_fit_runs_and_goes_at_close(fake_vllm, fake_server, tmp_path):
+    torch.manual_seed(0)
+    policy = apply_lora(tiny_llama(vocab_size=100), LoraArgs(r=4, alpha=8.0))
+    shared = tmp_path / "shared"
+    engine = ServerEngine(url=fake_server.url, kind="vllm", policy=lambda: policy, timeout_s=10, lora_dir=str(shared),
+                          lora_keep=2)
+    for step in (1, 2, 3):
+        engine.load_adapter(adapter_update(policy, engine.merges_applied, with_hash=False, step=step), step=step)
+    root = engine.vllm_adapters.versions.root
+    loaded = [body["lora_path"] for _, path, body in fake_server.calls if path == "/v1/load_lora_adapter"]
+    assert root.parent == shared and loaded == [str(root / f"lit_grpo-v{k}") for k in (1, 2, 3)]
+    # while the fit runs, the server may read the kept versions again
+    assert sorted(p.name for p in root.iterdir()) == ["lit_grpo-v2", "lit_grpo-v3"]
+    engine.close()
+    assert not root.exists() and shared.is_dir() and list(shared.iterdir()) == []  # lora_dir itself is the user's
+    assert engine.vllm_adapters is None and [t.shutdowns for t in FakeTrainerEngine.instances] == [1]
+    engine.close()  # again (as at exit): nothing more
+
+
+class GlooPeer:
+    """The server's worker for the gloo plugin's trainer side: its init joins the group as rank 1 through the
+    trainer's store (what ``GlooWeightTransferEngine.init_transfer_engine`` does in ``vllm serve``)."""
+
+    def __init__(self) -> None:
+        self.held: list[Any] = []
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        from lit_grpo.wire.weight_transfer import open_group
+
+        store = dist.TCPStore(init_info["master_address"], init_info["master_port"], init_info["world_size"], False,
+                              datetime.timedelta(seconds=10))
+        self.held += [store, open_group(store, 1, init_info["world_size"], "gloo", 10.0, "127.0.0.1")]
+
+
+def test_gloo_trainer_engine_shutdown_releases_the_store_once_and_quietly(fake_vllm):
+    """After ``ServerEngine.close`` the release at exit shuts the engine down again: no error either time (the
+    store closes its own listening socket; closing it again was ``[Errno 9] Bad file descriptor``)."""
+    from lit_grpo.wire.vllm_gloo import make_trainer_engine_class
+    from lit_grpo.wire.weight_transfer import close_group
+
+    engine_class = make_trainer_engine_class()
+    info = engine_class.init_info_cls("127.0.0.1", 0, 2, timeout_s=10.0, rank=0)
+    peer = GlooPeer()
+    engine = engine_class.trainer_init(info, client=peer, source=object())
+    try:
+        port = engine.store.port
+        assert engine.group is not None
+        engine.shutdown()
+        engine.shutdown()
+        assert engine.group is None and engine.store is None and engine.listener is None
+        with pytest.raises(ConnectionRefusedError):  # the store and its socket are gone, not left listening
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        close_group(peer.held[-1])
 
 
 def test_vllm_push_waits_for_the_asynchronous_requests_in_flight(fake_vllm, fake_server):

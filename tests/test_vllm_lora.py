@@ -324,7 +324,9 @@ def test_vllm_serve_loads_each_adapter_by_path_keeps_k_plus_1_and_follows_a_merg
         valid = str(engine.vllm_adapters.versions.root / f"{ADAPTER_PREFIX}3")
         status, _ = server.post_status("/v1/load_lora_adapter", {"lora_name": "lit_grpo-x", "lora_path": valid})
         assert status == 401 and adapters_loaded() == {f"{ADAPTER_PREFIX}2", f"{ADAPTER_PREFIX}3"}
+        root = engine.vllm_adapters.versions.root
         engine.close()
+        assert not root.exists() and (tmp_path / "shared").is_dir()  # this fit's directory went at close
     finally:
         server.stop()
 
@@ -400,6 +402,13 @@ def test_serve_adapters_load_by_path_keep_the_newest_and_say_how_to_start_a_refu
         other = ServeAdapters(str(tmp_path / "shared"), keep=2, rank=1)
         other.push([server], adapter_update(policy, 0, with_hash=False, step=3), 3)
         assert other.current() == ("lit_grpo-v1", "3") and not other.versions.current.path.exists()
+        # at close rank 0 removes the directory it made; the other rank's root is lora_dir itself, which stays
+        root = adapters.versions.root
+        other.close()
+        assert root.is_dir()
+        adapters.close()
+        adapters.close()
+        assert not root.exists() and list((tmp_path / "shared").iterdir()) == []
     finally:
         routes.server.shutdown()
 

@@ -14,7 +14,6 @@ swap) reloads the trainer's merged base first (``lit_grpo.engines.vllm_lora``).
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -334,7 +333,7 @@ class VLLMEngine(RolloutEngine):
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         if self.adapters is not None:
-            shutil.rmtree(self.adapters.root, ignore_errors=True)
+            self.adapters.remove()
 
     # ---- memory -------------------------------------------------------------------------------------
     def sleep(self) -> None:

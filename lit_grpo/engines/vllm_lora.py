@@ -119,3 +119,9 @@ class AdapterVersions:
         """Remove every version's directory (at close)."""
         for version in list(self.loaded):
             self.drop(version)
+
+    def remove(self) -> None:
+        """Remove ``root`` itself with every version in it (at close; a second call does nothing): only for a
+        ``root`` made for these versions alone."""
+        self.clear()
+        shutil.rmtree(self.root, ignore_errors=True)

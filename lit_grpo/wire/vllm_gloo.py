@@ -319,11 +319,11 @@ def make_trainer_engine_class() -> type:
                                  "metadata announced")
 
         def shutdown(self) -> None:
-            close_group(self.group)
-            self.group, self.store = None, None
-            if self.listener is not None:
-                self.listener.close()
-                self.listener = None
+            # runs after a failed push, at ServerEngine.close and again at exit: a second call finds nothing left.
+            # The store closes its own listening socket when it goes (weight_transfer.open_store); closing the
+            # listener here too closed that descriptor twice ("[Errno 9] Bad file descriptor" at exit)
+            group, self.group, self.store, self.listener = self.group, None, None, None
+            close_group(group)
 
     return GlooTrainerWeightTransferEngine
 

@@ -95,12 +95,15 @@ def transport_device(backend: str, device: torch.device | str | None = None) -> 
 
 def open_store(address: str, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
     """The trainer's side of the rendezvous: a ``TCPStore`` master listening on ``address`` only, on a port the
-    system picks (no race for a free port). Keep the returned socket open as long as the store."""
+    system picks (no race for a free port). The store owns the listening socket from then on and closes it when it
+    is destroyed, so the returned socket is detached: closing it does nothing, where closing the descriptor itself
+    would close it twice (``[Errno 9] Bad file descriptor``, or another file that reused the number)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((address, 0))
     listener.listen(16)
     store = dist.TCPStore(address, listener.getsockname()[1], 2, True, datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False, master_listen_fd=listener.fileno())
+    listener.detach()
     return store, listener
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from lit_grpo.batch import MicroBatch
-from lit_grpo.distributed import everyone, rank_and_world
+from lit_grpo.distributed import close_at_exit, everyone, rank_and_world
 from lit_grpo.engines.base import (
     AdapterEngine,
     AdapterUpdate,
@@ -102,6 +102,7 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         self.reference = ReferenceClient(self.servers[0], self.generate_timeout_s)
         self._merges_applied: int | None = None  # asked of the servers at the first LoRA push
         self.vllm_adapters = None  # kind vllm with model.lora: vllm_client.ServeAdapters, made at the first push
+        close_at_exit(self.close)  # the end of a fit run from the command line; a library user may call it sooner
 
     # ---- servers ------------------------------------------------------------------------------------
     def _server_dtype(self, requested: str | None) -> torch.dtype:
@@ -134,8 +135,14 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         return {s.url: s.client.post("/weight_checker", {"action": "checksum"})["checksums"] for s in self.servers}
 
     def close(self) -> None:
+        """Shut the weight transfer down (the project's groups, vLLM's trainer side with its sockets, stores and
+        groups) and remove the adapter versions written for ``vllm serve`` (``ServeAdapters.close``). Runs at exit
+        too; a second call does nothing, and a push after it starts over (a new group, new adapter versions)."""
         for server in self.servers:
             server.close_group()
+        adapters, self.vllm_adapters = self.vllm_adapters, None
+        if adapters is not None:
+            adapters.close()
 
     # ---- weights ------------------------------------------------------------------------------------
     def _before_push(self) -> None:

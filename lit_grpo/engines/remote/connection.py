@@ -4,6 +4,7 @@ the push and the pi_ref client each use the connections ``ServerEngine`` holds."
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,10 +37,19 @@ class ServerConnection:
         close_at_exit(self.close_group)
 
     def close_group(self) -> None:
-        """Drop the weight-transfer group: the last reference to a gloo group joins its worker threads."""
+        """Drop the weight-transfer group (the last reference to a gloo group joins its worker threads; the store
+        closes its own listening socket, ``weight_transfer.open_store``) and shut vLLM's trainer side down (its
+        group or communicator, its store), so that the next push forms a new one. A second call does nothing; a
+        failing shutdown (a broken group) is a warning, not an error: what it held is dropped all the same."""
         from lit_grpo.wire.weight_transfer import close_group
 
-        close_group(self.group)
-        if self.listener is not None:
-            self.listener.close()
-        self.group = self.store = self.listener = None
+        group, self.group = self.group, None
+        self.store = self.listener = None
+        close_group(group)
+        parts, self.vllm = self.vllm, None
+        if parts is not None:
+            try:
+                parts[2].shutdown()
+            except Exception as err:  # noqa: BLE001 (called after a failed push, whose error is the one to raise)
+                warnings.warn(f"rollout server {self.url}: shutting down vLLM's weight-transfer engine failed: {err}",
+                              stacklevel=2)

@@ -120,7 +120,7 @@ def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: to
                                       f"{versions[server.url]!r} after a push of {str(step)!r}")
         except Exception as err:  # noqa: BLE001 (collected, raised on every rank together)
             failed.append(f"weight push of step {step} to {server.url} failed on rank {rank}: {err}")
-            server.vllm = None  # a broken NCCL group: the next push forms a new one
+            server.close_group()  # shuts the broken group, its store and sockets down; the next push forms a new one
             server.expected_version = None
             for _ in tensors:  # the other ranks are in the gathers
                 pass
@@ -239,6 +239,15 @@ class ServeAdapters:
         self.versions = AdapterVersions(root, keep, prefix=ADAPTER_PREFIX)
         self.rank = rank
         self.steps: dict[int, int] = {}  # version id -> the optimizer step of its adapter
+
+    def close(self) -> None:
+        """At the end of the fit (``ServerEngine.close``): rank 0 removes its directory with every version in it.
+        Not before: the server reads a version from its path when it loads it, and may read it again after dropping
+        it from its CPU cache, so the kept versions must stay readable while the fit runs. After the fit no request
+        names them, and the next fit unloads them from the server (``unload_leftovers``). The other ranks wrote
+        nothing: their ``root`` is ``lora_dir`` itself, not theirs to remove."""
+        if self.rank == 0:
+            self.versions.remove()
 
     def current(self) -> tuple[str, str] | None:
         """``(adapter name, its step as the completions' weight version)`` of the newest version, or None."""
