@@ -31,6 +31,7 @@ from lightning.pytorch.cli import LightningCLI
 from lit_grpo.checkpoints import Checkpoint, CheckpointError
 from lit_grpo.cli_hooks import key_of_parse_error, object_under_construction
 from lit_grpo.commands import UsageError, debug, fail, one_line
+from lit_grpo.data.sampler_check import SamplerMismatchError
 
 __all__ = ["MOVED_OPTIONS", "NOT_OFFERED", "OneLineErrorsCLI", "option_hint", "report_usage_errors"]
 T = TypeVar("T")
@@ -317,6 +318,11 @@ def report_usage_errors(build: Callable[[], T]) -> T:
         if debug():
             raise
         fail(err if isinstance(err, UsageError) else UsageError(str(err), "arguments"))
+    except SamplerMismatchError as err:  # the rollout engine's setup, found at the first batch: also one line
+        _held_back.stop(replay=debug())
+        if debug():
+            raise
+        fail(UsageError(str(err), "data.engine_options and the server's flags"))
     finally:
         _held_back.stop(replay=True)  # no-op once stopped
 

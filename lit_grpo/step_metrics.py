@@ -24,7 +24,9 @@ from lit_grpo.stat_reduction import ROLLOUT_PREFIX, iteration_key, over_iteratio
 #: step metrics that only some steps measure: ``train/logp_gap_synced``, at the steps whose batch was sampled by the
 #: policy's current weights (staleness 0). ``GRPOModule`` logs them with ``lit_grpo.measured_metrics.log_measured``,
 #: so that the loggers get them at those steps only, never a stale value at the others.
-MEASURED_AT_SOME_STEPS = ("train/logp_gap_synced",)
+MEASURED_AT_SOME_STEPS = ("train/logp_gap_synced",
+                          # the first-push check (lit_grpo.data.sampler_check): the first batch of pushed weights only
+                          "rollout/sampler_check_gap", "rollout/sampler_check_seconds")
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,11 @@ def test_at_k1_the_gap_and_the_sync_metrics_are_logged_only_at_the_steps_that_me
     assert [step for step, _ in scalars["sync/seconds"]] == [2, 5]
     assert [step for step, _ in scalars["sync/bytes"]] == [2, 5]
     assert scalars["sync/count"] == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0), (4, 1.0), (5, 2.0), (6, 2.0)]
+    # the first-push check (lit_grpo.data.sampler_check) ran on batch 0, the first one the pushed weights sampled:
+    # the project's server in float32 at one thread reports the trainer's own log-probs
+    gap = scalars["rollout/sampler_check_gap"]
+    assert [step for step, _ in gap] == [0] and gap[0][1] < 1e-6
+    assert [step for step, _ in scalars["rollout/sampler_check_seconds"]] == [0]
 
 
 def test_max_tv_still_decides_the_pushes_with_asynchronous_rollouts(runs):

@@ -181,8 +181,22 @@ def test_constructor_runs_vllm_colocated_with_processed_logprobs(fake_vllm):
         "logprobs_mode": "processed_logprobs",
         "max_model_len": 1024,
         "enforce_eager": True,
+        # the CPU build's needs (lit_grpo.engines.vllm_cpu): nothing of it on a GPU
+        **({} if torch.cuda.is_available() else
+           {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192, "kv_cache_memory_bytes": 2 << 30}),
     }
     assert llm.events == []  # no sleep mode: never put to sleep
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU build's defaults")
+def test_cpu_defaults_yield_to_the_users_options_and_the_kv_cache_variable(fake_vllm, monkeypatch):
+    VLLMEngine("org/model", max_model_len=20000, enable_chunked_prefill=True, kv_cache_memory_bytes=1 << 30)
+    kwargs = FakeLLM.instances[-1].kwargs
+    assert (kwargs["enable_chunked_prefill"], kwargs["kv_cache_memory_bytes"]) == (True, 1 << 30)
+    assert kwargs["max_num_batched_tokens"] == 20000  # at least the longest sequence, as vLLM requires
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    VLLMEngine("org/model")
+    assert "kv_cache_memory_bytes" not in FakeLLM.instances[-1].kwargs  # vLLM sizes it from the variable
 
 
 def test_constructor_exports_single_process_rendezvous(fake_vllm):
@@ -244,6 +258,8 @@ def test_generate_sends_token_prompts_and_sampling_params(fake_vllm):
             "temperature": 0.7,
             "top_p": 0.9,
             "max_tokens": 5,
+            # neutral: nothing of the model's generation config can reach the sampler (engines.sampling_fields)
+            "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "seed": 11 * SEED_STRIDE + p * 3,
             "logprobs": 0,
             "stop_token_ids": [9],

@@ -31,6 +31,7 @@ from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
 from lit_grpo.data.rewards import RewardFn, RewardRunner, reward_name
 from lit_grpo.data.rollout import BatchOrigin, PaddedRollouts, collate_rollouts, pad_rollouts, rollout_seed
+from lit_grpo.data.sampler_check import DEFAULT_MAX_GAP, DEFAULT_SEQUENCES, SamplerCheck
 from lit_grpo.data.server_reference import ServerReference
 from lit_grpo.data.staleness import (
     check_reference_on_server,
@@ -38,7 +39,7 @@ from lit_grpo.data.staleness import (
     staleness_stats,
     weight_version_of,
 )
-from lit_grpo.distributed import rank_slice
+from lit_grpo.distributed import everyone, rank_slice
 from lit_grpo.engines.base import (
     Completion,
     ReferenceServing,
@@ -134,6 +135,13 @@ class RolloutDataModule(L.LightningDataModule):
             is scored by the trainer as before (``train/reference_served`` is 0 for it). The numbers are the
             trainer's own scoring function in the server's dtype: equal to the trainer's in float32 up to the
             matmuls' summation order.
+        sampler_check_max_gap: with a vLLM or server engine, the first batch sampled right after the first weight
+            push is teacher-forced on the trainer (``sampler_check_sequences`` completions per rank), and the run is
+            refused in one line when the sampler's log-probs differ from the trainer's by more than this per token
+            on average (``lit_grpo.data.sampler_check``: a server without processed log-probs, another model, a
+            generation config that changes sampling). The default lies above the bfloat16 gaps measured; ``null``
+            turns the check off. Logged as ``rollout/sampler_check_gap`` and ``rollout/sampler_check_seconds``.
+        sampler_check_sequences: completions per rank the check teacher-forces.
     """
 
     def __init__(
@@ -159,8 +167,17 @@ class RolloutDataModule(L.LightningDataModule):
         max_staleness: int = 0,
         reference_on_server: bool = False,
         seed: int = 0,
+        sampler_check_max_gap: float | None = DEFAULT_MAX_GAP,
+        sampler_check_sequences: int = DEFAULT_SEQUENCES,
     ) -> None:
         super().__init__()
+        if sampler_check_max_gap is not None and (isinstance(sampler_check_max_gap, bool)
+                                                  or not sampler_check_max_gap > 0):
+            raise ValueError(f"sampler_check_max_gap must be a number > 0 (nats per token) or null, "
+                             f"got {sampler_check_max_gap!r}")
+        if isinstance(sampler_check_sequences, bool) or not isinstance(sampler_check_sequences, int) \
+                or sampler_check_sequences < 1:
+            raise ValueError(f"sampler_check_sequences must be an integer >= 1, got {sampler_check_sequences!r}")
         check_staleness_setup(max_staleness, engine)
         if engine not in ENGINE_OPTIONS:
             raise ValueError(f"unknown engine {engine!r}; expected one of {tuple(ENGINE_OPTIONS)}")
@@ -209,6 +226,10 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine_options = options
         self.reuse_policy_logprobs = reuse_policy_logprobs
         self.seed = seed
+        # engines whose log-probs come from code other than the trainer's: checked once after the first push
+        checks = engine == "vllm" or engine == "server"
+        self.sampler_check = SamplerCheck(sampler_check_max_gap, sampler_check_sequences) \
+            if checks and sampler_check_max_gap is not None else None
         self.consumed = 0
         self.rollout_engine: RolloutEngine | None = None
         self.tokenizer = None
@@ -430,11 +451,31 @@ class RolloutDataModule(L.LightningDataModule):
             sampled_step = min(weight_version_of(c) for g in groups for c in g)  # the versions the server reports
         else:
             groups, sampled_step = rollouts.groups, engine.synced_step
-        stats = {}
+        stats = self.check_sampler(prompt_batch, groups, sampled_step == step)
         if self.max_staleness:
-            stats = {**staleness_stats(groups, step), "trainer_wait_seconds": waited,
+            stats = {**stats, **staleness_stats(groups, step), "trainer_wait_seconds": waited,
                      "producer_waits": float(self.async_rollouts.producer_waits)}
         return self.assemble(prompt_batch, groups, rollouts, sampled_step, generate_seconds, stats)
+
+    def check_sampler(self, prompt_batch: PromptBatch, groups: list[list[Completion]], synced: bool) -> dict:
+        """The first-push check (``lit_grpo.data.sampler_check``) on the first batch that the engine sampled with
+        the policy's current weights (the ranks agree on which batch that is); its gap and cost as statistics."""
+        check = self.sampler_check
+        if check is None or check.done or not everyone(synced):
+            return {}
+        module = self.trainer.lightning_module
+        prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
+        report = check(module.policy, prompts, groups, self.sampling.temperature, self.module_device(),
+                       self.engine_description(), self.precision_context)
+        return {"sampler_check_gap": report.mean_gap, "sampler_check_seconds": report.seconds}
+
+    def engine_description(self) -> str:
+        """The rollout engine in words, for messages: colocated vLLM, or the kind and URL of the servers."""
+        options = self.engine_options
+        if isinstance(options, ServerOptions):
+            where = options.url or ", ".join(options.urls or [])
+            return f"{'vllm serve' if options.kind == 'vllm' else 'rollout server'} at {where}"
+        return "colocated vLLM" if self.engine_kind == "vllm" else "in-process engine"
 
     def assemble(self, prompt_batch: PromptBatch, groups: list[list[Completion]], rollouts: Rollouts,
                  sampled_step: int, generate_seconds: float, stats: dict[str, float]) -> RolloutBatch:

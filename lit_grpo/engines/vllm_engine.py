@@ -25,6 +25,8 @@ from torch import nn
 
 from lit_grpo.distributed import close_at_exit
 from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
+from lit_grpo.engines.sampling_fields import vllm_sampling_fields
+from lit_grpo.engines.vllm_cpu import cpu_llm_defaults
 from lit_grpo.engines.vllm_install import INSTALL_RECIPE, VLLMInstallError, alias_refusal, import_failure
 from lit_grpo.models import ALIASES
 
@@ -284,6 +286,8 @@ class VLLMEngine(RolloutEngine):
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
         set_launcher_env()
+        if not torch.cuda.is_available():  # CPU build: no chunked prefill, a set KV cache (engines.vllm_cpu)
+            options.update(cpu_llm_defaults(options, max_model_len, os.environ.get("VLLM_CPU_KVCACHE_SPACE")))
         self.dtype = dtype
         # vLLM runs on cuda:LOCAL_RANK, the trainer's own device (trainer_device_index)
         self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
@@ -357,9 +361,7 @@ class VLLMEngine(RolloutEngine):
         check_vllm_temperature(sampling.temperature)
         return self._sampling_params_cls(
             n=n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=sampling.max_new_tokens,
+            **vllm_sampling_fields(sampling),  # every field, so nothing comes from the model's generation config
             seed=seed,
             logprobs=0,
             stop_token_ids=list(self.stop_token_ids) or None,

@@ -48,6 +48,17 @@ IGNORED_FIELDS = {"model", "user", "request_id", "skip_special_tokens", "spaces_
                   "include_stop_str_in_output", "detokenize", "priority"}
 HANDLED_FIELDS = {"prompt", "n", "seed", "temperature", "top_p", "max_tokens", "logprobs", "return_token_ids",
                   "return_weight_versions", "return_tokens_as_token_ids", "stop_token_ids", "stream", "echo", "stop"}
+#: vLLM's sampling fields beyond temperature and top_p that a model's generation config can fill when a request
+#: leaves them unset (vLLM 0.32/0.33 ``ModelConfig.get_diff_sampling_param``), each at its neutral value: the one
+#: that leaves ``softmax(logits / T)`` unchanged (``top_k`` 0: no cut). Trainers send all of them
+#: (``lit_grpo.engines.sampling_fields``); this server takes them at these values only.
+NEUTRAL_SAMPLING_FIELDS: dict[str, float | int] = {
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 #: every route of the project's server, ``(method, path)``, with the name of the handler that serves it (one of
 #: ``RolloutServer``'s route handlers offers it)
@@ -157,9 +168,14 @@ def flag_field(body: dict, key: str) -> bool:
 
 def parse_completion_request(body: dict, limits: Limits, vocab_size: int) -> CompletionRequest:
     """Check a ``/v1/completions`` body against what this server implements and its limits (400 otherwise)."""
-    unknown = sorted(set(body) - HANDLED_FIELDS - IGNORED_FIELDS)
+    unknown = sorted(set(body) - HANDLED_FIELDS - IGNORED_FIELDS - set(NEUTRAL_SAMPLING_FIELDS))
     if unknown:
         raise HTTPFailure(400, f"unsupported fields {unknown}: this server implements {sorted(HANDLED_FIELDS)}")
+    for key, neutral in NEUTRAL_SAMPLING_FIELDS.items():
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or value != neutral):
+            raise HTTPFailure(400, f"unsupported value {key}={value!r}: this server samples softmax(logits / "
+                                   f"temperature) with top_p only, so {key} must be {neutral} or absent")
     for key in ("stream", "echo"):
         if flag_field(body, key):
             raise HTTPFailure(400, f"{key}=true is not supported by this server")

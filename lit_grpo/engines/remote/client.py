@@ -48,6 +48,7 @@ from lit_grpo.engines.options import ServerOptions
 from lit_grpo.engines.remote.connection import ServerConnection
 from lit_grpo.engines.remote.reference_client import ReferenceClient
 from lit_grpo.engines.remote.weight_push import WeightPusher
+from lit_grpo.engines.sampling_fields import vllm_sampling_fields
 from lit_grpo.option_groups import as_group, plain
 from lit_grpo.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV, find_token
 from lit_grpo.wire.protocol import ServerError, version_text
@@ -333,9 +334,11 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
 
     def _complete(self, server: ServerConnection, prompts: list[list[int]], n: int, sampling: SamplingConfig,
                   seed: int) -> list[list[Completion]]:
+        # every sampling field is explicit: vllm serve fills the ones a request leaves unset from the model's
+        # generation config (lit_grpo.engines.sampling_fields); the project's server ignores the extra ones
         body = {"prompt": [[int(t) for t in p] for p in prompts], "n": n, "seed": int(seed),
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_new_tokens,
-                "logprobs": 0, "return_token_ids": True, "return_weight_versions": True}
+                **vllm_sampling_fields(sampling), "logprobs": 0, "return_token_ids": True,
+                "return_weight_versions": True}
         if self.stop_token_ids:
             body["stop_token_ids"] = self.stop_token_ids
         adapter = self.vllm_adapters.current() if self.vllm_adapters is not None else None
