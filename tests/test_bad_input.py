@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import refusal_line
 from conftest import TOY_REWARD, tiny_data, tiny_module
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
 
@@ -173,27 +174,13 @@ VLLM_CASES = {
 
 @pytest.mark.parametrize("name", list(VLLM_CASES))
 def test_cli_refuses_vllm_setup_before_loading_the_model(name, tmp_path, monkeypatch, capsys):
-    import lit_grpo.module
-    from lit_grpo.cli import main
-
     model, extra, environment, expected = VLLM_CASES[name]
     if environment is not None:
         environment(monkeypatch, tmp_path)
-
-    def no_load(*args, **kwargs):
-        raise AssertionError("the model was loaded before vLLM's setup was checked")
-
-    monkeypatch.setattr(lit_grpo.module, "load_model_and_tokenizer", no_load)
-    monkeypatch.setattr(sys, "argv", ["lit_grpo"])  # LightningCLI reads sys.argv too; keep pytest's out of it
-    monkeypatch.delenv("LIT_GRPO_DEBUG", raising=False)
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--model.model_name", model, *VLLM_RUN, f"--trainer.default_root_dir={tmp_path}", *extra])
-    assert exit_.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    line = refusal_line(["fit", "--model.model_name", model, *VLLM_RUN, f"--trainer.default_root_dir={tmp_path}",
+                         *extra], tmp_path, monkeypatch, capsys)
     for text in expected:
-        assert text in lines[0], (text, lines[0])
+        assert text in line, (text, line)
 
 
 def test_vllm_engine_refuses_an_alias_with_the_export_command():
@@ -222,24 +209,10 @@ def test_cli_refuses_in_one_line_before_the_model_loads(extra, texts, tmp_path, 
     """Values Lightning or a callback would refuse only after the model loaded, with a traceback."""
     from test_cli_errors import TINY_RUN
 
-    import lit_grpo.module
-    from lit_grpo.cli import main
-
-    def no_load(*args, **kwargs):
-        raise AssertionError("the model was loaded before the value was checked")
-
-    monkeypatch.setattr(lit_grpo.module, "load_model_and_tokenizer", no_load)
-    monkeypatch.setattr(sys, "argv", ["lit_grpo"])  # LightningCLI reads sys.argv too; keep pytest's out of it
-    monkeypatch.delenv("LIT_GRPO_DEBUG", raising=False)
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--model.model_name", "tiny-random-llama", *TINY_RUN, f"--trainer.default_root_dir={tmp_path}",
-              *extra])
-    assert exit_.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    line = refusal_line(["fit", "--model.model_name", "tiny-random-llama", *TINY_RUN,
+                         f"--trainer.default_root_dir={tmp_path}", *extra], tmp_path, monkeypatch, capsys)
     for text in texts:
-        assert text in lines[0]
+        assert text in line
 
 
 @pytest.mark.vllm

@@ -18,6 +18,7 @@ from pathlib import Path
 import lightning
 import pytest
 import torch
+from cli_runner import refusal_line
 from conftest import TOY_REWARD
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -153,26 +154,11 @@ def test_debug_env_shows_the_traceback(runs):
 
 @pytest.mark.parametrize("name", list(IN_PROCESS))
 def test_bad_value_in_process(name, tmp_path, monkeypatch, capsys):
-    import lit_grpo.module
-    from lit_grpo.cli import main
-
     extra, may_load, expected = IN_PROCESS[name]
     write_inputs(tmp_path)
-    if not may_load:
-        def no_load(*args, **kwargs):
-            raise AssertionError("the model was loaded before the value was checked")
-
-        monkeypatch.setattr(lit_grpo.module, "load_model_and_tokenizer", no_load)
-    monkeypatch.setattr(sys, "argv", ["lit_grpo"])  # LightningCLI reads sys.argv too; keep pytest's out of it
-    monkeypatch.delenv("LIT_GRPO_DEBUG", raising=False)
-    monkeypatch.chdir(tmp_path)
     model = [] if name == "missing_model_name" else ["--model.model_name", "tiny-random-llama"]
     args = ["fit", *model, *TINY_RUN, f"--trainer.default_root_dir={tmp_path}",
             *(a.format(root=tmp_path) for a in extra)]
-    with pytest.raises(SystemExit) as exit_:
-        main(args)
-    assert exit_.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    line = refusal_line(args, tmp_path, monkeypatch, capsys, may_load=may_load)
     for text in expected:
-        assert text.format(root=tmp_path) in lines[0]
+        assert text.format(root=tmp_path) in line

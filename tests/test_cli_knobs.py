@@ -7,6 +7,7 @@ place. Each refusal is one line, exit status 2, before the model loads."""
 import sys
 
 import pytest
+from cli_runner import no_model, one_line_error
 from conftest import TOY_REWARD, tiny_module, tiny_trainer
 
 from lit_grpo.cli_errors import MOVED_OPTIONS, option_hint
@@ -25,26 +26,6 @@ def cli_env(tmp_path, monkeypatch):
     monkeypatch.delenv("PL_GLOBAL_SEED")
     monkeypatch.chdir(tmp_path)
     return tmp_path
-
-
-def no_model(monkeypatch):
-    import lit_grpo.module
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the value was checked")
-
-    monkeypatch.setattr(lit_grpo.module, "load_model_and_tokenizer", refuse)
-
-
-def one_line_error(args, capsys) -> str:
-    from lit_grpo.commands import main
-
-    with pytest.raises(SystemExit) as exit_:
-        main(args)
-    assert exit_.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    return lines[0]
 
 
 def instantiate(args):

@@ -18,6 +18,7 @@ import pytest
 import torch
 from server_process import ServerProcess
 from test_lora_server import lora_policy, train_adapter
+from test_rollout_server import perturbed
 
 from lit_grpo.data.rollout import pad_rollouts
 from lit_grpo.engines.base import SamplingConfig
@@ -167,15 +168,6 @@ def test_connection_options_are_checked_before_any_model_loads(monkeypatch):
 
 def sums(model) -> dict[str, str]:  # noqa: ANN001
     return {name: checksum(p) for name, p in model.named_parameters()}
-
-
-def perturbed(model, seed: int):  # noqa: ANN001, ANN201
-    policy = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    return policy
 
 
 def test_a_full_fit_after_a_lora_fit_pushes_to_the_same_server(server, one_thread):
