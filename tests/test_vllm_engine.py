@@ -167,7 +167,8 @@ def only_llm() -> FakeLLM:
 
 
 # ---- construction ------------------------------------------------------------------------------------
-def test_constructor_runs_vllm_colocated_with_processed_logprobs(fake_vllm):
+def test_constructor_runs_vllm_colocated_with_processed_logprobs(fake_vllm, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the vLLM tier's helpers set it for their servers
     VLLMEngine("org/model", dtype="float16", gpu_memory_utilization=0.5, max_model_len=1024, seed=7,
                enforce_eager=True)
     llm = only_llm()
@@ -190,6 +191,7 @@ def test_constructor_runs_vllm_colocated_with_processed_logprobs(fake_vllm):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU build's defaults")
 def test_cpu_defaults_yield_to_the_users_options_and_the_kv_cache_variable(fake_vllm, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     VLLMEngine("org/model", max_model_len=20000, enable_chunked_prefill=True, kv_cache_memory_bytes=1 << 30)
     kwargs = FakeLLM.instances[-1].kwargs
     assert (kwargs["enable_chunked_prefill"], kwargs["kv_cache_memory_bytes"]) == (True, 1 << 30)
