@@ -19,8 +19,9 @@ from vllm_helpers import VLLMServe, mean_gap, perturbed, requires_vllm, save_mod
 
 from lit_grpo.data.sampler_check import SamplerCheck, SamplerMismatchError
 from lit_grpo.engines.base import SamplingConfig
-from lit_grpo.engines.sampling_fields import VLLM_NEUTRAL_FIELDS, vllm_sampling_fields
+from lit_grpo.engines.sampling_fields import vllm_sampling_fields
 from lit_grpo.plots import read_scalars
+from lit_grpo.wire.protocol import NEUTRAL_SAMPLING_FIELDS
 
 pytestmark = [pytest.mark.vllm, requires_vllm]
 
@@ -38,7 +39,7 @@ def test_the_neutral_values_are_vllms_own_defaults():
     defaults = getattr(defaults, "default", defaults)
     fields = vllm_sampling_fields(SamplingConfig())
     assert set(defaults) <= set(fields)
-    assert {k: defaults[k] for k in VLLM_NEUTRAL_FIELDS} == VLLM_NEUTRAL_FIELDS
+    assert {k: defaults[k] for k in NEUTRAL_SAMPLING_FIELDS} == NEUTRAL_SAMPLING_FIELDS
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,9 @@ from __future__ import annotations
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.wire.protocol import NEUTRAL_SAMPLING_FIELDS
 
-#: vLLM's sampling fields that a model's generation config can fill, each at its neutral value (the protocol's list)
-VLLM_NEUTRAL_FIELDS: dict[str, float | int] = NEUTRAL_SAMPLING_FIELDS
-
 
 def vllm_sampling_fields(sampling: SamplingConfig) -> dict[str, float | int]:
     """Every field vLLM could otherwise take from the model's generation config: the contract's temperature,
-    ``top_p`` and ``max_tokens``, and the neutral value of the rest (:data:`VLLM_NEUTRAL_FIELDS`)."""
+    ``top_p`` and ``max_tokens``, and the neutral value of the rest (the protocol's ``NEUTRAL_SAMPLING_FIELDS``)."""
     return {"temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
-            "max_tokens": int(sampling.max_new_tokens), **VLLM_NEUTRAL_FIELDS}
+            "max_tokens": int(sampling.max_new_tokens), **NEUTRAL_SAMPLING_FIELDS}
