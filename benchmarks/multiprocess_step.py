@@ -29,7 +29,8 @@ memory (``ru_maxrss``).
     python benchmarks/multiprocess_step.py --layouts single server1 --lora-r 0 8 16   # LoRA against full fine-tuning
 
 ``--lora-r`` runs each layout once per rank given (0: full fine-tuning; r >= 1: ``model.lora`` with that rank, its
-other settings the defaults of ``lit_grpo.lora.LoraArgs``, and pi_ref = the policy with its adapter off), and records
+other settings the defaults of ``lit_grpo.models.lora.LoraArgs``, and pi_ref = the policy with its adapter off), and
+records
 the bytes of each weight push (``sync/bytes``): with LoRA only the adapter travels.
 
 Writes ``benchmarks/results/multiprocess_step.json`` and prints a table of medians.
@@ -94,9 +95,9 @@ def worker(args: argparse.Namespace) -> None:
     from lit_grpo.callbacks import WeightSync
 
     from lit_grpo.data.datamodule import RolloutDataModule
-    from lit_grpo.lora import LoraArgs
-    from lit_grpo.module import GRPOModule
-    from lit_grpo.optim import OptimizerArgs
+    from lit_grpo.models.lora import LoraArgs
+    from lit_grpo.training.module import GRPOModule
+    from lit_grpo.training.optim import OptimizerArgs
 
     layout, world = args.worker, LAYOUTS[args.worker]
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))

@@ -101,7 +101,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from lit_grpo.data.sampler_check import sampler_gap
     from lit_grpo.engines.base import SamplingConfig
-    from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
+    from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(args.model, "float32")

@@ -16,7 +16,7 @@ conversational dataset, and the script checks that both sides tokenize them to t
 * ``ours``: a real ``lightning.Trainer.fit`` of ``GRPOModule`` + ``RolloutDataModule`` (in-process
   ``transformers`` rollout engine, ``WeightSync(every_n_batches=1)``).
 * ``trl``: ``trl.GRPOTrainer.train()`` (no vLLM, no gradient checkpointing), with the model object loaded by
-  ``lit_grpo.models.load_model_and_tokenizer`` and a reward function that wraps the same reward function
+  ``lit_grpo.models.loading.load_model_and_tokenizer`` and a reward function that wraps the same reward function
   (``lit_grpo.data.rewards.correctness_reward`` by default).
 
 Both run on ``--accelerator`` (``cpu`` by default) at ``--precision`` (``32-true`` by default): the Lightning
@@ -258,8 +258,8 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
 
     from lit_grpo.data.datamodule import RolloutDataModule
     from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
-    from lit_grpo.module import GRPOModule
-    from lit_grpo.optim import OptimizerArgs
+    from lit_grpo.training.module import GRPOModule
+    from lit_grpo.training.optim import OptimizerArgs
 
     class StepRecorder(Callback):
         """Per-step logged metrics and loop wall time. The rollout runs in ``on_after_batch_transfer``, before
@@ -342,7 +342,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.models.loading import load_model_and_tokenizer
 
     clock = make_clock(args)
     indices, rows = prompt_rows(args)

@@ -61,7 +61,7 @@ def in_process(args: argparse.Namespace) -> dict:
     import torch
 
     from lit_grpo.engines.transformers_engine import TransformersEngine
-    from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
+    from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(args.model)
@@ -80,10 +80,10 @@ def rank_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lit_grpo.distributed import full_named_parameters, fully_shard_model
+    from lit_grpo.core.distributed import full_named_parameters, fully_shard_model
     from lit_grpo.engines.remote.client import ServerEngine
     from lit_grpo.engines.remote.weight_gather import GatherBuffer, rank0_buckets
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.models.loading import load_model_and_tokenizer
     from lit_grpo.wire.weight_transfer import checksum
 
     torch.set_num_threads(args.threads)

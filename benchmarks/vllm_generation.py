@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_dir(name: str) -> Path:
     """A model directory vLLM can load: the alias's converted copy in lit_grpo's cache, or the directory given."""
-    from lit_grpo.models import ALIASES, cache_dir, load_model_and_tokenizer
+    from lit_grpo.models.loading import ALIASES, cache_dir, load_model_and_tokenizer
 
     if name in ALIASES:
         load_model_and_tokenizer(name, "float32")  # writes the cache on first use
@@ -64,7 +64,7 @@ def model_dir(name: str) -> Path:
 def job(args: argparse.Namespace) -> tuple[Any, Any, list[list[int]]]:
     from lit_grpo.data.gsm8k import load_gsm8k
     from lit_grpo.data.prompts import prompt_ids
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(str(model_dir(args.model)), "float32")
     rows = load_gsm8k("bundled", split="train")[: args.prompts]
@@ -72,7 +72,7 @@ def job(args: argparse.Namespace) -> tuple[Any, Any, list[list[int]]]:
 
 
 def build_engine(name: str, args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
-    from lit_grpo.models import eos_token_ids
+    from lit_grpo.models.loading import eos_token_ids
 
     if name == "transformers":
         from lit_grpo.engines.transformers_engine import TransformersEngine

@@ -10,8 +10,8 @@ from lightning.pytorch.callbacks import Callback
 from lit_grpo.callbacks.protocol import check_hf_export, full_named_tensors, policy_of
 from torch import nn
 
-from lit_grpo.distributed import strip_wrapper_prefixes
-from lit_grpo.lora import cumulative_adapter, is_lora, merged_named_tensors, peft_model_of, write_adapter
+from lit_grpo.core.distributed import strip_wrapper_prefixes
+from lit_grpo.models.lora import cumulative_adapter, is_lora, merged_named_tensors, peft_model_of, write_adapter
 
 
 class HFExport(Callback):

@@ -15,7 +15,7 @@ from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
 from lit_grpo.data.rewards import RewardRunner
 from lit_grpo.engines.base import SamplingConfig
-from lit_grpo.evaluation import PassAtKSettings, evaluate_pass_at_k
+from lit_grpo.evaluation.pass_at_k import PassAtKSettings, evaluate_pass_at_k
 
 
 class GSM8KPassAtK(Callback):
@@ -29,7 +29,7 @@ class GSM8KPassAtK(Callback):
     Questions are the first ``num_questions`` of the split (all when None), dealt to the ranks in chunks of
     ``questions_per_chunk``; the metric is a torchmetrics ``PassAtK`` so the mean reduces across processes.
     Sampling is seeded per chunk, so the same weights give the same score on any number of ranks. Under FSDP
-    the ranks generate in lockstep (see ``lit_grpo.evaluation``).
+    the ranks generate in lockstep (see ``lit_grpo.evaluation.pass_at_k``).
 
     The module must expose ``policy`` (a Hugging Face causal LM) and ``tokenizer`` (a Hugging Face tokenizer; one
     without a pad token pads with its eos token, and is not changed), checked when the fit starts.

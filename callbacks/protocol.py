@@ -9,7 +9,7 @@ module to it when a fit starts, so that the callbacks work in any LightningModul
 - ``reference_version`` (``RefModelSwap``, ``WeightSync``): optional ``int`` counting the swaps, so that a copy of
   pi_ref on a rollout server is pushed again after each.
 - ``tokenizer`` (``GSM8KPassAtK``; ``HFExport`` saves it when present): a Hugging Face tokenizer with an
-  ``eos_token``; one without a pad token pads with the eos token (``lit_grpo.models.pad_token_id``).
+  ``eos_token``; one without a pad token pads with the eos token (``lit_grpo.models.loading.pad_token_id``).
 - ``rollout_engine`` (``WeightSync``): a ``lit_grpo.engines.base.RolloutEngine``, passed to the callback, or found
   on the data module (``RolloutDataModule`` has one) or on the module.
 
@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import lightning as L
 from torch import nn
 
-from lit_grpo.distributed import FullParameters, full_named_parameters, strip_wrapper_prefixes
+from lit_grpo.core.distributed import FullParameters, full_named_parameters, strip_wrapper_prefixes
 from lit_grpo.engines.base import RolloutEngine
 
 #: what each attribute must be, as the error messages say it

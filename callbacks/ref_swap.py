@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lit_grpo.callbacks.interval import Interval
 from lit_grpo.callbacks.protocol import check_ref_swap, policy_of, refuse_second
 
-from lit_grpo.lora import is_lora, swap_reference_by_merge
+from lit_grpo.models.lora import is_lora, swap_reference_by_merge
 
 
 class RefModelSwap(Callback):
@@ -20,7 +20,7 @@ class RefModelSwap(Callback):
     ``lit_grpo.callbacks.interval`` for the units).
 
     With a LoRA policy and no reference module (pi_ref is the policy with its adapter off), a swap merges the
-    adapter into the base and starts a fresh one (``lit_grpo.lora.swap_reference_by_merge``).
+    adapter into the base and starts a fresh one (``lit_grpo.models.lora.swap_reference_by_merge``).
 
     ``reset_optimizer`` also clears the optimizer's moment estimates at each swap. After a swap,
     ``KL(pi || pi_ref)`` is exactly 0 until the next update.

@@ -210,7 +210,13 @@ def model_for(task: str, label_smoothing: float | None = None) -> tuple[str, dic
     concurrently)."""
     import torch
 
-    from lit_grpo.warm_start import ARITH_TINY_SFT, WarmStartConfig, cached_dir, load_warm_started, weights_fingerprint
+    from lit_grpo.training.warm_start import (
+        ARITH_TINY_SFT,
+        WarmStartConfig,
+        cached_dir,
+        load_warm_started,
+        weights_fingerprint,
+    )
 
     config = WarmStartConfig(task=task) if label_smoothing is None else WarmStartConfig(
         task=task, label_smoothing=label_smoothing)
@@ -263,7 +269,7 @@ def command(row_overrides: list[str], seed: int, folder: Path, args: argparse.Na
 def read_run(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], list[tuple[int, float]]]:
     """TensorBoard scalars ``{tag: [(step, value)]}`` of a run and the event times ``[(step, wall_time)]`` of its
     Pass@1 evaluations."""
-    from lit_grpo.plots import read_scalars, scalar_events
+    from lit_grpo.cli.plots import read_scalars, scalar_events
 
     eval_times = [(e.step, e.wall_time) for e in scalar_events(folder).get(SERIES["pass@1"], [])]
     return read_scalars(folder), eval_times

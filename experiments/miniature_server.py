@@ -23,7 +23,7 @@ READY = re.compile(r"listening on (http://\S+)")
 def parameter_checksums(model_name: str, dtype: str = "float32") -> dict[str, str]:
     """SHA-256 of every parameter of ``model_name`` loaded as the trainer loads it, named as the server names
     them: the baseline for the server's ``/weight_checker`` comparison."""
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.models.loading import load_model_and_tokenizer
     from lit_grpo.wire.weight_transfer import checksum
 
     model, _ = load_model_and_tokenizer(model_name, dtype)

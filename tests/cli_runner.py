@@ -9,18 +9,18 @@ import pytest
 
 def no_model(monkeypatch) -> None:  # noqa: ANN001
     """Loading a model fails the test from now on: the value had to be refused before."""
-    import lit_grpo.module
+    import lit_grpo.training.module
 
     def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("the model was loaded before the value was checked")
 
-    monkeypatch.setattr(lit_grpo.module, "load_model_and_tokenizer", refuse)
+    monkeypatch.setattr(lit_grpo.training.module, "load_model_and_tokenizer", refuse)
 
 
 def one_line_error(args: list[str], capsys) -> str:  # noqa: ANN001
     """``python -m lit_grpo ARGS`` in this process: it must exit with status 2 after exactly one ``error: ...`` line
     on stderr, which is returned."""
-    from lit_grpo.commands import main
+    from lit_grpo.cli.commands import main
 
     with pytest.raises(SystemExit) as exit_:
         main(args)

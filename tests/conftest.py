@@ -16,8 +16,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).pare
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 from lit_grpo.data.datamodule import RolloutDataModule  # noqa: E402
-from lit_grpo.module import GRPOModule  # noqa: E402
-from lit_grpo.optim import OptimizerArgs  # noqa: E402
+from lit_grpo.training.module import GRPOModule  # noqa: E402
+from lit_grpo.training.optim import OptimizerArgs  # noqa: E402
 
 TOY_REWARD = "toy_rewards:digit_fraction"
 

@@ -20,10 +20,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
 from scripted_engine import ScriptedDataModule
 
+from lit_grpo.core.distributed import full_named_parameters
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.data.rewards import RewardRunner
-from lit_grpo.distributed import full_named_parameters
-from lit_grpo.flops import parameter_count
+from lit_grpo.training.flops import parameter_count
 
 KEYS = ("train/loss", "train/kl", "rollout/reward_mean", "rollout/reward_std", "rollout/frac_zero_variance",
         "rollout/generated_tokens", "train/staleness", "train/ratio_first_iteration_min",
@@ -239,4 +239,4 @@ if __name__ == "__main__":
         results.append(run_job(job, str(Path(prefix).parent / f"job{i}")))
     rank = results[0]["rank"] if results else 0
     Path(f"{prefix}.{rank}.json").write_text(json.dumps(results))
-    # an ordinary end: lit_grpo.distributed releases the process groups at exit, before the interpreter finalizes
+    # an ordinary end: lit_grpo.core.distributed releases the process groups at exit, before the interpreter finalizes

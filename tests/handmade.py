@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from lit_grpo.batch import RolloutBatch
+from lit_grpo.core.batch import RolloutBatch
+from lit_grpo.core.scoring import completion_logprobs
 from lit_grpo.math import group_advantages, grpo_loss, zero_variance_mask
-from lit_grpo.scoring import completion_logprobs
 
 
 def handmade_batch(rewards: list[list[float]], vocab_size: int, micro_batch_size: int = 4, seed: int = 0,

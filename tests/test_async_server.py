@@ -114,7 +114,7 @@ def test_at_k1_the_gap_and_the_sync_metrics_are_logged_only_at_the_steps_that_me
     """K = 1, v = 3: only batch 0 is sampled by the policy's own weights (batch 3 was requested before the push that
     followed batch 2); pushes follow batches 2 and 5. Read from the fit's TensorBoard events: nothing is repeated at
     the steps in between (Lightning would hand step 0's gap to the loggers at every step)."""
-    from lit_grpo.plots import read_scalars
+    from lit_grpo.cli.plots import read_scalars
 
     scalars = read_scalars(runs[0]["k1_v3"]["tensorboard"])
     staleness = scalars["train/staleness"]

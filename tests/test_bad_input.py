@@ -11,7 +11,7 @@ from cli_runner import refusal_line
 from conftest import TOY_REWARD, tiny_data, tiny_module
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
 
-from lit_grpo.module import GRPOModule
+from lit_grpo.training.module import GRPOModule
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_data_module_rejects(kwargs, match):
     ({"loss": "grpo", "loss_options": {"grpo": {"tau": 0.1}}}, "tau"),
 ])
 def test_module_rejects_before_loading_the_model(kwargs, match, monkeypatch):
-    import lit_grpo.module as module
+    import lit_grpo.training.module as module
 
     def no_load(*args, **kw):
         raise AssertionError("the model was loaded before the arguments were checked")

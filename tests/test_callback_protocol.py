@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 
 from lit_grpo.engines import TransformersEngine
 from lit_grpo.engines.base import SamplingConfig
-from lit_grpo.evaluation import PassAtKSettings, evaluate_pass_at_k
-from lit_grpo.models import pad_token_id, tiny_llama, tiny_tokenizer
+from lit_grpo.evaluation.pass_at_k import PassAtKSettings, evaluate_pass_at_k
+from lit_grpo.models.loading import pad_token_id, tiny_llama, tiny_tokenizer
 
 
 class Foreign(L.LightningModule):

@@ -7,7 +7,7 @@ from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
 from torch.utils.data import DataLoader
 
 from lit_grpo.engines import TransformersEngine
-from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.models.loading import load_model_and_tokenizer
 
 
 class PlainLM(L.LightningModule):

@@ -5,7 +5,7 @@ when collectives are still queued on those groups as its script ends.
 Why: gloo runs a collective on a worker thread of its group, which drops the finished work a moment after the
 caller's ``wait`` returned. When that frees a tensor whose Python object is gone, the thread waits for the GIL; if
 the interpreter has begun to finalize when the thread gets it, Python ends the thread inside that C++ destructor:
-"terminate called without an active exception", exit -6, after complete results. ``lit_grpo.distributed`` releases
+"terminate called without an active exception", exit -6, after complete results. ``lit_grpo.core.distributed`` releases
 every group at exit, before the interpreter finalizes (destroying a gloo group waits for its queued work and joins
 its threads), so no such thread is left; the last ``atexit`` handler of each rank counts the threads.
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lit_grpo.plots import plot_runs, read_scalars
+from lit_grpo.cli.plots import plot_runs, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The Lightning and jsonargparse internals the CLI's one-line errors rely on (lit_grpo/cli_hooks.py) still hold
+"""The Lightning and jsonargparse internals the CLI's one-line errors rely on (lit_grpo/cli/hooks.py) still hold
 with the installed versions; when one does not, the failure names the versions and the hook.
 
 The errors themselves, end to end, are tests/test_cli_errors.py."""
@@ -10,7 +10,7 @@ import pytest
 from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lit_grpo import cli_hooks
+from lit_grpo.cli import hooks as cli_hooks
 
 
 def test_every_hook_holds_for_the_installed_versions():
@@ -25,7 +25,7 @@ def test_a_broken_hook_names_the_versions_and_the_hook(monkeypatch):
         cli_hooks.check()
     message = str(broken.value)
     assert f"lightning {lightning.__version__}" in message and "jsonargparse" in message
-    assert "LightningCLI.__init__" in message and "cli_hooks.py" in message
+    assert "LightningCLI.__init__" in message and "cli/hooks.py" in message
 
 
 built: list[str] = []

@@ -10,7 +10,7 @@ import pytest
 from cli_runner import no_model, one_line_error
 from conftest import TOY_REWARD, tiny_module, tiny_trainer
 
-from lit_grpo.cli_errors import MOVED_OPTIONS, option_hint
+from lit_grpo.cli.errors import MOVED_OPTIONS, option_hint
 
 TINY = ["--model.model_name", "tiny-random-llama", "--data.rewards", f"[{TOY_REWARD}]", "--data.prompts_per_step",
         "2", "--data.num_generations", "4", "--data.micro_batch_size", "4", "--data.max_new_tokens", "8",
@@ -30,10 +30,10 @@ def cli_env(tmp_path, monkeypatch):
 
 def instantiate(args):
     """The CLI's objects for ``args`` (no subcommand run), built as ``python -m lit_grpo`` builds them."""
-    from lit_grpo.cli import GRPOCLI
-    from lit_grpo.cli_errors import report_usage_errors
+    from lit_grpo.cli.errors import report_usage_errors
+    from lit_grpo.cli.lightning_cli import GRPOCLI
     from lit_grpo.data.datamodule import RolloutDataModule
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.training.module import GRPOModule
 
     return report_usage_errors(lambda: GRPOCLI(GRPOModule, RolloutDataModule, args=args, run=False,
                                                auto_configure_optimizers=False))
@@ -99,7 +99,7 @@ def test_second_ref_model_swap_is_refused(where, cli_env, monkeypatch, capsys):
 
 
 def test_rollout_seed_follows_lightnings_precedence(monkeypatch):
-    from lit_grpo.cli import rollout_seed_of
+    from lit_grpo.cli.lightning_cli import rollout_seed_of
 
     monkeypatch.setenv("PL_GLOBAL_SEED", "17")
     assert rollout_seed_of(True) == 17  # seed_everything true (the default): Lightning seeds with the variable
@@ -157,7 +157,7 @@ def test_option_hint_table():
 def test_every_new_path_of_the_table_is_an_option(cli_env, capsys):
     import yaml
 
-    from lit_grpo.commands import main
+    from lit_grpo.cli.commands import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["fit", "--model.model_name", "tiny-random-llama", "--print_config"])

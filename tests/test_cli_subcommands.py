@@ -9,8 +9,8 @@ import sys
 import pytest
 from conftest import TOY_REWARD, tiny_data, tiny_module, tiny_trainer
 
-from lit_grpo.commands import main
-from lit_grpo.plots import read_scalars
+from lit_grpo.cli.commands import main
+from lit_grpo.cli.plots import read_scalars
 
 # a judge with spread for a random model (GSM8K correctness would be 0 everywhere, proving nothing)
 DATA = ["--data.rewards", f"[{TOY_REWARD}]", "--data.num_generations", "3", "--data.max_new_tokens", "8",
@@ -147,7 +147,7 @@ def test_predict_bad_questions_file_is_one_line(workdir, capsys):
 
 
 def test_every_offered_subcommand_runs(workdir, capsys):
-    from lit_grpo.cli import GRPOCLI
+    from lit_grpo.cli.lightning_cli import GRPOCLI
 
     with pytest.raises(SystemExit):
         main(["--help"])

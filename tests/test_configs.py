@@ -17,7 +17,7 @@ STANDALONE = sorted(CONFIGS.glob("*.yaml"))
 
 
 def print_config(stack: list[Path], monkeypatch, capsys) -> dict:
-    from lit_grpo.cli import main
+    from lit_grpo.cli.lightning_cli import main
 
     monkeypatch.setattr(sys, "argv", ["lit_grpo"])
     args = ["fit", *(a for path in stack for a in ("--config", str(path))), "--print_config"]
@@ -45,9 +45,9 @@ def test_overlay_config_parses_on_the_base_and_wins(path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("extra, seed", [(["--seed_everything", "3"], 3), ([], 0), (["--seed_everything", "false"], 0)])
 def test_seed_everything_also_seeds_the_rollouts(extra, seed, monkeypatch):
-    from lit_grpo.cli import GRPOCLI
+    from lit_grpo.cli.lightning_cli import GRPOCLI
     from lit_grpo.data.datamodule import RolloutDataModule
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.training.module import GRPOModule
 
     monkeypatch.setattr(sys, "argv", ["lit_grpo"])
     cli = GRPOCLI(GRPOModule, RolloutDataModule, run=False,

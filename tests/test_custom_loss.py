@@ -11,7 +11,10 @@ import torch
 from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from lit_grpo.callbacks import WeightSync
 
-from lit_grpo.losses import (
+from lit_grpo.core.option_groups import as_group, plain
+from lit_grpo.math.objective import LossConfig, token_stats
+from lit_grpo.math.rec import ClipOptions, REDWeightOptions, RingOptions, TauOptions
+from lit_grpo.training.losses import (
     BUILTIN_LOSSES,
     STAT_KEYS,
     CustomLossConfig,
@@ -22,11 +25,8 @@ from lit_grpo.losses import (
     config_class,
     red_drop_batch,
 )
-from lit_grpo.math.objective import LossConfig, token_stats
-from lit_grpo.math.rec import ClipOptions, REDWeightOptions, RingOptions, TauOptions
-from lit_grpo.module import GRPOModule
-from lit_grpo.optim import OptimizerArgs, build_optimizer
-from lit_grpo.option_groups import as_group, plain
+from lit_grpo.training.module import GRPOModule
+from lit_grpo.training.optim import OptimizerArgs, build_optimizer
 
 HERE = "test_custom_loss"  # this file, importable by name: conftest puts tests/ on sys.path
 
@@ -86,7 +86,7 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the loss was checked")
 
-    monkeypatch.setattr("lit_grpo.module.load_model_and_tokenizer", refuse)
+    monkeypatch.setattr("lit_grpo.training.module.load_model_and_tokenizer", refuse)
 
 
 def fit(tmp_path, steps: int = 1, **module_kwargs) -> tuple[GRPOModule, MetricsRecorder]:
@@ -205,7 +205,7 @@ def test_beta_is_no_option_of_a_section(no_model_loading):
 
 
 def test_red_drop_hook_returns_a_shaped_copy_and_keeps_a_balanced_subset():
-    from lit_grpo.batch import RolloutBatch
+    from lit_grpo.core.batch import RolloutBatch
 
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])  # group 0: 1 positive, 3 negatives
     s, c = rewards.numel(), 3

@@ -103,7 +103,7 @@ def test_every_shipped_config_passes_the_check():
 @pytest.mark.parametrize("group", sorted(ENGINE_OPTIONS.values(), key=lambda cls: cls.__name__),
                          ids=lambda cls: cls.__name__)
 def test_the_command_line_documents_each_group(group, monkeypatch, capsys):
-    from lit_grpo.cli import main
+    from lit_grpo.cli.lightning_cli import main
 
     monkeypatch.setattr(sys, "argv", ["lit_grpo"])
     with pytest.raises(SystemExit) as exit_:
@@ -116,7 +116,7 @@ def test_the_command_line_documents_each_group(group, monkeypatch, capsys):
 
 
 def main_help(monkeypatch, capsys) -> str:  # noqa: ANN001
-    from lit_grpo.cli import main
+    from lit_grpo.cli.lightning_cli import main
 
     with pytest.raises(SystemExit):
         main(["fit", "--help"])

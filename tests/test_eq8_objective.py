@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import tiny_module
 
-from lit_grpo.batch import RolloutBatch
+from lit_grpo.core.batch import RolloutBatch
 from lit_grpo.math import grpo_loss
 from lit_grpo.math.aggregation import (
     AGGREGATION_MODES,

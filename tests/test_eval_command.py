@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_data, tiny_module, tiny_trainer
 from lit_grpo.callbacks import GSM8KPassAtK, WeightSync
 
-from lit_grpo.commands import main
+from lit_grpo.cli.commands import main
 
 # a judge with spread for a random model (GSM8K correctness would be 0 for both, proving nothing)
 EVAL = dict(num_samples=4, ks=[1, 2], num_questions=3, max_new_tokens=8, temperature=1.0, system_prompt=None,

@@ -8,8 +8,8 @@ from lit_grpo.callbacks import HFExport, WeightSync
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_grpo.commands import main
-from lit_grpo.models import tiny_llama, tiny_tokenizer
+from lit_grpo.cli.commands import main
+from lit_grpo.models.loading import tiny_llama, tiny_tokenizer
 
 TEXT = ["<|im_start|>user\nWhat is 12 * 7?<|im_end|>\n", "#### 84"]
 
@@ -26,7 +26,7 @@ def trained(tmp_path_factory):
 
 
 def checkpoint_policy(path) -> torch.nn.Module:
-    """The checkpoint's policy, read with plain torch.load (independently of lit_grpo.checkpoints)."""
+    """The checkpoint's policy, read with plain torch.load (independently of lit_grpo.core.checkpoints)."""
     state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     model = tiny_llama(len(tiny_tokenizer()))
     model.load_state_dict({k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")})

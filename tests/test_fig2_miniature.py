@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import fig2_miniature as fig2  # noqa: E402
 from miniature_stats import mean_std, seconds_since_first, summary, table_row, wall_clock_curve  # noqa: E402
 
-from lit_grpo import warm_start  # noqa: E402
-from lit_grpo.warm_start import WarmStartConfig, cache_key, training_data_digest, weights_fingerprint  # noqa: E402
+from lit_grpo.training import warm_start  # noqa: E402
+from lit_grpo.training.warm_start import WarmStartConfig, cache_key, training_data_digest, weights_fingerprint  # noqa: E402
 
 
 def run(row: str, seed: int, passes: list[tuple[int, float]], seconds: list[tuple[int, float]] | None,

@@ -10,7 +10,7 @@ import torch
 from lit_grpo.callbacks import GSM8KPassAtK, HFExport, RefModelSwap, WeightSync
 from transformers import AutoModelForCausalLM
 
-from lit_grpo.models import tiny_tokenizer
+from lit_grpo.models.loading import tiny_tokenizer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 HEADING = "## Use the callbacks in your own LightningModule"

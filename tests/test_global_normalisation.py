@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from lit_grpo.distributed import rank_slice, reduce_stats
+from lit_grpo.core.distributed import rank_slice
 from lit_grpo.math.aggregation import AGGREGATION_MODES, token_weights
+from lit_grpo.training.stat_reduction import reduce_stats
 
 
 def simulated_ranks(mask: torch.Tensor, world: int):

@@ -118,7 +118,7 @@ def test_server_on_cuda_round_trip_and_push(tmp_path):
 
     from lit_grpo.engines.base import SamplingConfig
     from lit_grpo.engines.remote.client import ServerEngine
-    from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
+    from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
     from lit_grpo.wire.weight_transfer import checksum
 
     model, tokenizer = load_model_and_tokenizer("tiny-random-llama")
@@ -146,7 +146,7 @@ def test_server_on_cuda_round_trip_and_push(tmp_path):
 def test_export_of_a_gpu_checkpoint(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from lit_grpo.cli import main
+    from lit_grpo.cli.lightning_cli import main
 
     module = tiny_module(beta=0.1, lr=1e-2)
     trainer = tiny_trainer(tmp_path, max_steps=2, accelerator="gpu", devices=1, precision="bf16-mixed",
@@ -167,7 +167,7 @@ def test_compiled_static_decoding_on_cuda_matches_the_dynamic_path():
     log-probs it reports are the teacher-forced ones."""
     from lit_grpo.engines.base import SamplingConfig
     from lit_grpo.engines.transformers_engine import TransformersEngine
-    from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
+    from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer("tiny-random-llama")
     model = model.cuda()

@@ -3,7 +3,7 @@
 from conftest import recorded_steps, tiny_data, tiny_module
 from handmade import handmade_batch, loss_and_grads, perturb
 
-from lit_grpo.scoring import checkpointing_drops_cache
+from lit_grpo.core.scoring import checkpointing_drops_cache
 
 
 def test_checkpointing_gives_the_same_loss_and_gradients():

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from lit_grpo.losses import BUILTIN_LOSSES, LossOptions, build_loss
 from lit_grpo.math import (
     CISPOOptions,
     GRPOOptions,
@@ -21,6 +20,7 @@ from lit_grpo.math import (
     red_drop_loss,
     sequence_log_ratio,
 )
+from lit_grpo.training.losses import BUILTIN_LOSSES, LossOptions, build_loss
 
 # log alpha of each token, and d = log pi - log alpha. The last token of sequence 1 is padding: its d (5.0) is
 # garbage that must not reach the sequence ratio, and its weight is 0.
@@ -281,7 +281,7 @@ def test_cli_takes_the_losses_and_their_options(monkeypatch, capsys):
 
     import yaml
 
-    from lit_grpo.cli import main
+    from lit_grpo.cli.lightning_cli import main
 
     config = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
     monkeypatch.setattr(sys, "argv", ["lit_grpo"])

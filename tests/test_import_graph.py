@@ -10,12 +10,13 @@ warm-started demo model) sits above model loading, all resolve."""
 import ast
 import importlib
 import inspect
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 
-from lit_grpo import models
+from lit_grpo.models import loading as models
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"lit_grpo": ROOT / "lit_grpo", "lit_grpo.callbacks": ROOT / "callbacks"}
@@ -109,10 +110,10 @@ def test_find_cycle_sees_a_circle_through_a_function_level_import():
 def test_the_graph_is_read_from_the_source():
     graph = import_graph()
     # the recipe builds on model loading, not the other way round
-    assert "lit_grpo.models" in graph["lit_grpo.warm_start"]
-    assert "lit_grpo.warm_start" not in graph["lit_grpo.models"]
-    assert "lit_grpo.cli_hooks" in graph["lit_grpo.cli"]
-    assert "lit_grpo.data.synthetic" in graph["lit_grpo.warm_start"]  # a `from pkg.module import name`
+    assert "lit_grpo.models.loading" in graph["lit_grpo.training.warm_start"]
+    assert "lit_grpo.training.warm_start" not in graph["lit_grpo.models.loading"]
+    assert "lit_grpo.cli.hooks" in graph["lit_grpo.cli.lightning_cli"]
+    assert "lit_grpo.data.synthetic" in graph["lit_grpo.training.warm_start"]  # a `from pkg.module import name`
 
 
 def test_imports_for_type_checkers_only_are_no_edges():
@@ -149,7 +150,7 @@ def test_a_circle_through_two_packages_shows_in_the_package_graph():
     # the lazy re-export of a client that lived in another package, which imported the engines back: no circle of
     # modules, a circle of packages
     graph = {"lit_grpo.engines": {"lit_grpo.serve.client"}, "lit_grpo.engines.base": set(),
-             "lit_grpo.serve.client": {"lit_grpo.engines.base"}, "lit_grpo.module": {"lit_grpo.engines.base"}}
+             "lit_grpo.serve.client": {"lit_grpo.engines.base"}, "lit_grpo.training.module": {"lit_grpo.engines.base"}}
     assert find_cycle(graph) is None
     assert find_cycle(package_graph(graph)) == ["lit_grpo.engines", "lit_grpo.serve", "lit_grpo.engines"]
     assert package_of("lit_grpo.engines.remote.client") == "lit_grpo.engines"
@@ -161,28 +162,72 @@ def test_lit_grpo_has_no_import_circle_between_packages():
     assert cycle is None, "import circle between packages: " + " -> ".join(cycle)
 
 
-#: package -> the packages it must not import (a role must not reach into another's)
-LAYERS = {
-    "lit_grpo.engines": {"lit_grpo.serve", "lit_grpo.data"},  # engines, the trainer's clients included
-    "lit_grpo.serve": {"lit_grpo.data", "lit_grpo.callbacks"},  # the server process: not the trainer's side
-    "lit_grpo.wire": {"lit_grpo.engines", "lit_grpo.serve", "lit_grpo.data"},  # shared by both sides
+#: role folder -> the packages it may import (besides itself): the rule its ``__init__`` docstring states
+ALLOWED = {
+    "lit_grpo.math": set(),
+    "lit_grpo.core": {"lit_grpo.math"},
+    "lit_grpo.models": {"lit_grpo.core"},
+    "lit_grpo.wire": {"lit_grpo.core"},  # shared by both sides of the rollout path
+    "lit_grpo.engines": {"lit_grpo.core", "lit_grpo.math", "lit_grpo.models", "lit_grpo.wire"},
+    "lit_grpo.serve": {"lit_grpo.core", "lit_grpo.engines", "lit_grpo.models", "lit_grpo.wire"},  # not the trainer's
+    "lit_grpo.data": {"lit_grpo.core", "lit_grpo.engines", "lit_grpo.math", "lit_grpo.models"},
+    "lit_grpo.training": {"lit_grpo.core", "lit_grpo.data", "lit_grpo.math", "lit_grpo.models"},
+    "lit_grpo.evaluation": {"lit_grpo.core", "lit_grpo.data", "lit_grpo.engines", "lit_grpo.math", "lit_grpo.models"},
+    "lit_grpo.callbacks": {"lit_grpo.core", "lit_grpo.data", "lit_grpo.engines", "lit_grpo.evaluation",
+                           "lit_grpo.models", "lit_grpo.training"},
 }
+#: the modules allowed at the top of lit_grpo/ beside the role folders
+TOP_MODULES = {"__init__.py", "__main__.py", "_layout.py"}
 
 
-def test_the_rollout_roles_import_only_what_they_may():
+def test_every_role_imports_only_what_its_rule_allows():
     graph = import_graph()
     crossings = sorted(f"{module} -> {imported}" for module, edges in graph.items() for imported in edges
-                       if package_of(imported) in LAYERS.get(package_of(module), ()))
-    assert crossings == [], "a role imports another's: " + ", ".join(crossings)
+                       if package_of(module) in ALLOWED and package_of(imported) != package_of(module)
+                       and package_of(imported) not in ALLOWED[package_of(module)])
+    assert crossings == [], "a role imports what its rule does not allow: " + ", ".join(crossings)
     server_modules = {m for m in graph if package_of(m) == "lit_grpo.serve"}
     assert {"lit_grpo.engines.remote.client", "lit_grpo.engines.remote.weight_push"}.isdisjoint(
         set().union(*(graph[m] for m in server_modules)))
 
 
+def test_nothing_imports_the_command_line():
+    graph = import_graph()
+    importers = sorted(m for m, edges in graph.items() if package_of(m) not in ("lit_grpo.cli", "lit_grpo.__main__")
+                       and any(package_of(e) == "lit_grpo.cli" for e in edges))
+    assert importers == []
+
+
+def test_the_folder_listing_is_the_architecture():
+    top = PACKAGES["lit_grpo"]
+    modules = {p.name for p in top.glob("*.py")}
+    assert modules <= TOP_MODULES, f"modules at the top of lit_grpo/: {sorted(modules - TOP_MODULES)}"
+    folders = {p.name for p in top.iterdir() if (p / "__init__.py").is_file()}
+    roles = {name.split(".")[1] for name in ALLOWED} - {"callbacks"} | {"cli"}
+    assert folders == roles, "each role folder needs its rule in ALLOWED (and its docstring)"
+    for folder in [*(top / name for name in folders), ROOT / "callbacks"]:
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+        assert doc and len(doc.split()) >= 20, f"{folder.name}/__init__.py: say the role and what it may import"
+
+
+def test_the_role_check_sees_a_forbidden_import():
+    graph = {"lit_grpo.models.lora": {"lit_grpo.training.module"}, "lit_grpo.training.module": set()}
+    crossing = [(m, e) for m, edges in graph.items() for e in edges
+                if package_of(e) not in ALLOWED[package_of(m)] | {package_of(m)}]
+    assert crossing == [("lit_grpo.models.lora", "lit_grpo.training.module")]
+
+
+@pytest.mark.parametrize("old, new", sorted(__import__("lit_grpo._layout", fromlist=["MOVED"]).MOVED.items()))
+def test_an_old_import_path_is_the_module_at_its_new_path(old, new):
+    with pytest.warns(DeprecationWarning, match=new) if old not in __import__("sys").modules else nullcontext():
+        moved = importlib.import_module(old)
+    assert moved is importlib.import_module(new)
+
+
 #: concrete classes of another module that a project class may still extend, in code outside the rollout path
 #: (each pair must still exist: a fixed one leaves the list)
 KNOWN_CONCRETE_BASES = {
-    ("lit_grpo.cli.GRPOCLI", "lit_grpo.cli_errors.OneLineErrorsCLI"),
+    ("lit_grpo.cli.lightning_cli.GRPOCLI", "lit_grpo.cli.errors.OneLineErrorsCLI"),
     ("lit_grpo.math.rec.ClipOptions", "lit_grpo.math.objective.ClipBand"),
     ("lit_grpo.math.rec.TauOptions", "lit_grpo.math.objective.LossConfig"),
     ("lit_grpo.math.rec.REDWeightOptions", "lit_grpo.math.objective.LossConfig"),
@@ -258,7 +303,7 @@ def test_an_alias_loads_through_its_loader():
 
 
 def test_the_demo_alias_is_the_warm_start_recipe(monkeypatch):
-    from lit_grpo import warm_start
+    from lit_grpo.training import warm_start
 
     calls, tokenizer = [], models.tiny_tokenizer()
     # the real recipe trains for minutes on first use (tests/test_synthetic_task.py covers it): stand in for it

@@ -5,7 +5,7 @@ from conftest import recorded_steps, tiny_data, tiny_module, tiny_trainer
 from handmade import handmade_batch, loss_and_grads, perturb, select_groups
 from lit_grpo.callbacks import RefModelSwap, WeightSync
 
-from lit_grpo.losses import GRPOOptions, LossOptions
+from lit_grpo.training.losses import GRPOOptions, LossOptions
 
 
 def test_v1_i1_ratio_is_one_at_first_iteration_every_step(tmp_path, recorder):

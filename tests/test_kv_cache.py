@@ -9,7 +9,7 @@ import lit_grpo.engines.transformers_engine as engine_module
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.kv_cache import PreallocatedLayer, preallocate
 from lit_grpo.engines.transformers_engine import TransformersEngine
-from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
+from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
 
 
 def test_layer_returns_what_the_growing_layer_returns_past_its_capacity_and_after_selection():

@@ -12,7 +12,7 @@ HEAVY = ("torch", "lightning", "transformers", "jsonargparse")
 # runs the dispatcher as `python -m lit_grpo` does, then reports the exit status and which heavy modules loaded
 PROBE = """
 import json, sys
-from lit_grpo.commands import main
+from lit_grpo.cli.commands import main
 try:
     main(sys.argv[1:])
     code = 0
@@ -58,7 +58,7 @@ def test_python_m_lit_grpo_dispatches_through_the_light_entry(tmp_path):
 
 
 def test_training_subcommands_go_to_lightning_cli(monkeypatch):
-    import lit_grpo.commands as commands
+    import lit_grpo.cli.commands as commands
 
     calls = []
 
@@ -76,7 +76,9 @@ def test_training_subcommands_go_to_lightning_cli(monkeypatch):
 
 
 def test_the_training_module_has_no_entry_of_its_own():
-    # lit_grpo.cli.main and run are the dispatcher's, so `cli.main(["export", ...])` runs the tool as before
-    from lit_grpo import cli, commands
+    # lit_grpo.cli.lightning_cli.main and run are the dispatcher's, so `cli.main(["export", ...])` runs the tool as
+    # before
+    from lit_grpo.cli import commands
+    from lit_grpo.cli import lightning_cli as cli
 
     assert cli.main is commands.main and cli.run is commands.run

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lit_grpo.math.logprobs import cpu_chunk_rows, logsumexp_last, selective_log_softmax, token_entropy
-from lit_grpo.optim import OptimizerArgs, build_optimizer, fuses_on_cpu
+from lit_grpo.training.optim import OptimizerArgs, build_optimizer, fuses_on_cpu
 
 
 def reference_logp(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:

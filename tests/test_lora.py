@@ -1,4 +1,4 @@
-"""Unit tests of lit_grpo.lora: the adapter's options, its tensors under peft's names, the merge (hand-computed),
+"""Unit tests of lit_grpo.models.lora: the adapter's options, its tensors under peft's names, the merge (hand-computed),
 the fresh adapter, the base hash, the merged view, the stage swap by merge, the push and the stacked export."""
 
 import hashlib
@@ -6,8 +6,8 @@ import hashlib
 import pytest
 import torch
 
-from lit_grpo import lora
-from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.models import lora
+from lit_grpo.models.loading import load_model_and_tokenizer
 
 TOKENS = torch.tensor([[3, 5, 7, 9, 11, 2], [4, 6, 8, 10, 12, 14]])
 

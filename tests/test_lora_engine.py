@@ -9,7 +9,8 @@ import torch
 
 from lit_grpo.engines.base import AdapterEngine, AdapterUpdate, SamplingConfig
 from lit_grpo.engines.transformers_engine import TransformersEngine
-from lit_grpo.lora import (
+from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer, tiny_llama
+from lit_grpo.models.lora import (
     LoraArgs,
     adapter_parameters,
     adapter_update,
@@ -17,7 +18,6 @@ from lit_grpo.lora import (
     base_hash,
     swap_reference_by_merge,
 )
-from lit_grpo.models import eos_token_ids, load_model_and_tokenizer, tiny_llama
 
 SAMPLING = SamplingConfig(max_new_tokens=8)
 PROMPTS = [[3, 4, 5], [6, 7]]

@@ -13,7 +13,8 @@ from server_process import ServerProcess
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.remote.client import ServerEngine
 from lit_grpo.engines.transformers_engine import TransformersEngine
-from lit_grpo.lora import (
+from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer, tiny_llama
+from lit_grpo.models.lora import (
     LoraArgs,
     adapter_parameters,
     adapter_update,
@@ -22,7 +23,6 @@ from lit_grpo.lora import (
     merged_named_tensors,
     swap_reference_by_merge,
 )
-from lit_grpo.models import eos_token_ids, load_model_and_tokenizer, tiny_llama
 from lit_grpo.wire.protocol import ServerError
 from lit_grpo.wire.weight_transfer import checksum
 
@@ -117,8 +117,8 @@ def test_adapter_push_is_small_and_the_server_samples_as_the_trainer_also_across
     engine.serves_reference = True
     engine.load_adapter(adapter_update(policy, engine.merges_applied, with_hash=False, step=5), step=5)
     assert engine.reference_version == "2"
+    from lit_grpo.core.scoring import completion_logprobs
     from lit_grpo.data.rollout import pad_rollouts
-    from lit_grpo.scoring import completion_logprobs
 
     groups = engine.generate(prompts, 3, SAMPLING, seed=7)
     padded = pad_rollouts(prompts, groups, tokenizer.pad_token_id, 4)

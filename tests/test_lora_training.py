@@ -10,11 +10,11 @@ from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from handmade import handmade_batch
 from lit_grpo.callbacks import HFExport, RefModelSwap, WeightSync
 
+from lit_grpo.cli.export import export_checkpoint
+from lit_grpo.core.scoring import completion_logprobs
 from lit_grpo.engines.base import RolloutEngine
-from lit_grpo.export import export_checkpoint
-from lit_grpo.lora import LoraArgs, adapter_parameters, adapter_state, base_hash, is_lora, merge_log
-from lit_grpo.models import load_model_and_tokenizer
-from lit_grpo.scoring import completion_logprobs
+from lit_grpo.models.loading import load_model_and_tokenizer
+from lit_grpo.models.lora import LoraArgs, adapter_parameters, adapter_state, base_hash, is_lora, merge_log
 
 KEYS = ("train/loss", "train/kl", "rollout/reward_mean", "train/staleness")
 
@@ -250,7 +250,7 @@ def adapter_grads(module, batch, make_logprobs, seed: int) -> list[torch.Tensor]
 def test_lora_dropout_acts_on_the_gradient_only_and_the_values_are_the_policys():
     """lora.dropout: the gradient pass's log-probs have the dropout-free policy's values (what the sampler and pi_k
     compute) and the gradient of a forward with dropout; the dropout layers are back in train mode after."""
-    from lit_grpo import scoring
+    from lit_grpo.training import scoring
 
     module = dropout_module()
     perturb_adapter(module)  # B != 0: dropout on the adapter's input changes the output

@@ -4,7 +4,7 @@ import pytest
 from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from lit_grpo.callbacks import WeightSync
 
-from lit_grpo.losses import BUILTIN_LOSSES
+from lit_grpo.training.losses import BUILTIN_LOSSES
 
 
 @pytest.mark.parametrize("loss", list(BUILTIN_LOSSES))

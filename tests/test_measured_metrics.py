@@ -1,5 +1,5 @@
 """Metrics that only some steps measure appear in the logs at those steps and nowhere else: Lightning hands a value
-logged once to the loggers again at every later step of the epoch (``lit_grpo.measured_metrics``), which showed
+logged once to the loggers again at every later step of the epoch (``lit_grpo.training.measured_metrics``), which showed
 step 0's trainer-sampler gap at every step of an asynchronous run. Read back from the TensorBoard event files.
 (K = 1 against a rollout server: tests/test_async_server.py.)"""
 
@@ -9,7 +9,7 @@ from conftest import MetricsRecorder, tiny_data, tiny_module, tiny_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lit_grpo.callbacks import WeightSync
 
-from lit_grpo.plots import read_scalars
+from lit_grpo.cli.plots import read_scalars
 
 
 def logged_steps(scalars: dict[str, list[tuple[int, float]]], tag: str) -> list[int]:

@@ -4,8 +4,8 @@ rollout engine's copy made on first use from where the policy is by then."""
 import torch
 
 from lit_grpo.engines.transformers_engine import TransformersEngine
-from lit_grpo.model_copies import frozen_copy, materialize, skeleton_copy
-from lit_grpo.models import tiny_llama, tiny_tokenizer
+from lit_grpo.models.copies import frozen_copy, materialize, skeleton_copy
+from lit_grpo.models.loading import tiny_llama, tiny_tokenizer
 
 
 def tied_model() -> torch.nn.Module:
@@ -58,7 +58,7 @@ def test_load_from_checkpoint_restores_the_saved_reference(tmp_path):
     from handmade import perturb
     from lit_grpo.callbacks import WeightSync
 
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.training.module import GRPOModule
 
     module = tiny_module(beta=0.1, lr=1e-2)
     trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[WeightSync()])

@@ -7,7 +7,7 @@ from conftest import tiny_module, tiny_trainer
 from lit_grpo.callbacks import GSM8KPassAtK
 
 from lit_grpo.engines.base import Completion
-from lit_grpo.metrics import PassAtK
+from lit_grpo.evaluation.metric import PassAtK
 
 
 def test_metric_reduces_sums_over_questions():
@@ -39,7 +39,7 @@ def test_evaluator_scores_fixed_completions(tmp_path, monkeypatch):
             out.append([Completion(tok(t, add_special_tokens=False)["input_ids"], [], False) for t in texts])
         return out
 
-    monkeypatch.setattr("lit_grpo.evaluation.TransformersEngine.generate", fake_generate)
+    monkeypatch.setattr("lit_grpo.evaluation.pass_at_k.TransformersEngine.generate", fake_generate)
     results = evaluator.evaluate(trainer, module)
     assert abs(results[1] - sum(correct_counts) / 12) < 1e-12
     for k in (2, 4):
@@ -61,7 +61,7 @@ def test_evaluation_leaves_the_policy_mode_as_it_found_it(tmp_path):
 
 
 def test_chunks_are_dealt_round_robin_and_padded_for_lockstep():
-    from lit_grpo.evaluation import chunks_of_rank, question_chunks
+    from lit_grpo.evaluation.pass_at_k import chunks_of_rank, question_chunks
 
     chunks = question_chunks(5, 2)
     assert chunks == [[0, 1], [2, 3], [4]]

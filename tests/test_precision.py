@@ -10,8 +10,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lit_grpo.callbacks import WeightSync
 
 from lit_grpo.math.tv import logprob_gap
-from lit_grpo.module import GRPOModule
-from lit_grpo.optim import OptimizerArgs
+from lit_grpo.training.module import GRPOModule
+from lit_grpo.training.optim import OptimizerArgs
 
 
 def test_bf16_mixed_frozen_policy_shows_no_drift_at_lagging_steps(tmp_path):
@@ -57,7 +57,7 @@ def test_16_bit_weights_are_refused_before_the_model_loads(monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("lit_grpo.module.load_model_and_tokenizer", no_loading)
+    monkeypatch.setattr("lit_grpo.training.module.load_model_and_tokenizer", no_loading)
     for dtype in ("bfloat16", "float16"):
         with pytest.raises(ValueError, match=f"dtype '{dtype}'.*bf16-mixed"):
             GRPOModule(model_name="tiny-random-llama", dtype=dtype, optimizer=OptimizerArgs(lr=5e-6))

@@ -149,7 +149,7 @@ def test_a_reward_that_scores_no_completion_of_the_first_batch_stops_the_fit(tmp
 
 
 def run_cli(args: list[str], monkeypatch, tmp_path) -> int:
-    from lit_grpo.cli import main
+    from lit_grpo.cli.lightning_cli import main
 
     monkeypatch.setattr(sys, "argv", ["lit_grpo"])  # LightningCLI reads sys.argv too; keep pytest's out of it
     monkeypatch.delenv("LIT_GRPO_DEBUG", raising=False)
@@ -169,12 +169,12 @@ def test_the_cli_still_parses_reward_paths(monkeypatch, tmp_path, capsys) -> Non
 @pytest.mark.parametrize("spec", ["os:getcwd", "builtins:len"])
 def test_the_cli_refuses_a_reward_with_the_wrong_signature_in_one_line(spec: str, monkeypatch, tmp_path,
                                                                         capsys) -> None:
-    import lit_grpo.module
+    import lit_grpo.training.module
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the reward was checked")
 
-    monkeypatch.setattr(lit_grpo.module, "load_model_and_tokenizer", no_load)
+    monkeypatch.setattr(lit_grpo.training.module, "load_model_and_tokenizer", no_load)
     assert run_cli(["--data.rewards", f"[{spec}]"], monkeypatch, tmp_path) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1, lines

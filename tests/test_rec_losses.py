@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from lit_grpo.losses import BUILTIN_LOSSES, build_loss
 from lit_grpo.math import group_advantages, grpo_loss, red_drop_advantages, red_weights
 from lit_grpo.math.objective import GRPOOptions, LossConfig
 from lit_grpo.math.rec import ClipOptions, REDWeightOptions, RingOptions, TauOptions
+from lit_grpo.training.losses import BUILTIN_LOSSES, build_loss
 
 # the losses as the trainer gets them: through the registry
 LOSSES = {name: entry.fn for name, entry in BUILTIN_LOSSES.items()}

@@ -14,14 +14,14 @@ import pytest
 import torch
 from server_process import ServerProcess
 
+from lit_grpo.core.scoring import completion_logprobs
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.data.producer import RolloutProducer
 from lit_grpo.data.rollout import pad_rollouts
 from lit_grpo.data.server_reference import ServerReference
 from lit_grpo.engines.base import Completion, ReferenceServing
 from lit_grpo.engines.remote.client import Rollouts, ServerEngine
-from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
-from lit_grpo.scoring import completion_logprobs
+from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
 from lit_grpo.serve.reference_routes import MICRO_BATCH_FIELDS
 from lit_grpo.wire.protocol import ServerError
 from lit_grpo.wire.weight_transfer import checksum

@@ -19,7 +19,7 @@ from server_process import ROOT, ServerProcess
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.remote.client import CHUNK_SEED_STRIDE, SEED_MODULUS, ServerEngine
 from lit_grpo.engines.transformers_engine import TransformersEngine
-from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
+from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
 from lit_grpo.wire.protocol import ServerError
 from lit_grpo.wire.weight_transfer import checksum
 

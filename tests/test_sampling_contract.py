@@ -18,7 +18,7 @@ from lit_grpo.engines.base import Completion, SamplingConfig
 from lit_grpo.engines.remote.client import ServerEngine
 from lit_grpo.engines.sampling_fields import vllm_sampling_fields
 from lit_grpo.engines.transformers_engine import TransformersEngine
-from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
+from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
 from lit_grpo.wire.protocol import HTTPFailure, Limits, parse_completion_request
 
 TEXTS = ("What is 2+2?", "Name a prime.", "12*3=")

@@ -17,10 +17,10 @@ import torch
 from polluted_config import write_polluted_generation_config
 from vllm_helpers import VLLMServe, mean_gap, perturbed, requires_vllm, save_model, tiny_vllm_llama
 
+from lit_grpo.cli.plots import read_scalars
 from lit_grpo.data.sampler_check import SamplerCheck, SamplerMismatchError
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.sampling_fields import vllm_sampling_fields
-from lit_grpo.plots import read_scalars
 from lit_grpo.wire.protocol import NEUTRAL_SAMPLING_FIELDS
 
 pytestmark = [pytest.mark.vllm, requires_vllm]

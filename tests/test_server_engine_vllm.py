@@ -28,8 +28,8 @@ from lit_grpo.data.producer import RolloutProducer
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.remote.client import ServerEngine
 from lit_grpo.engines.vllm_engine import prompt_seed
-from lit_grpo.lora import LoraArgs, adapter_update, apply_lora
-from lit_grpo.models import tiny_llama
+from lit_grpo.models.loading import tiny_llama
+from lit_grpo.models.lora import LoraArgs, adapter_update, apply_lora
 from lit_grpo.wire.protocol import ServerError
 
 

@@ -7,12 +7,12 @@ from collections import Counter
 import pytest
 import torch
 
+from lit_grpo.core.scoring import completion_logprobs
 from lit_grpo.data.rollout import collate_rollouts, pad_rollouts
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.static_decoding import cut_at_eos, padded_width
 from lit_grpo.engines.transformers_engine import TransformersEngine
-from lit_grpo.models import eos_token_ids, load_model_and_tokenizer
-from lit_grpo.scoring import completion_logprobs
+from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
 
 TEXTS = ("What is 2+2?", "Name a prime number.", "12*3=")
 

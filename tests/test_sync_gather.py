@@ -62,7 +62,7 @@ def compare(model, bucket_bytes: int, buffer) -> dict:  # noqa: ANN001
     """Rank 0's buckets against ``full_tensor()`` of every parameter (run on every rank: both are collectives)."""
     import torch
 
-    from lit_grpo.distributed import full_named_parameters
+    from lit_grpo.core.distributed import full_named_parameters
     from lit_grpo.engines.remote.weight_gather import rank0_buckets
 
     expected = [(name, t.clone()) for name, t in full_named_parameters(model)]
@@ -83,7 +83,7 @@ def worker(out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from lit_grpo.distributed import full_named_parameters
+    from lit_grpo.core.distributed import full_named_parameters
     from lit_grpo.engines.remote.weight_gather import GatherBuffer, fsdp2_source
 
     torch.set_num_threads(1)

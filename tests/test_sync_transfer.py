@@ -149,7 +149,7 @@ def test_a_failed_nccl_wait_is_a_server_error_naming_the_url(answering):
 
 
 def test_server_maps_a_failed_receive_to_a_500_and_keeps_its_weights():
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.models.loading import load_model_and_tokenizer
     from lit_grpo.serve.server import RolloutServer
     from lit_grpo.wire.protocol import HTTPFailure
 

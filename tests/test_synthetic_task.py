@@ -18,7 +18,7 @@ from lit_grpo.data.synthetic import (
     parse_name,
     worked_answer,
 )
-from lit_grpo.warm_start import WarmStartConfig, lr_factor, train_warm_start
+from lit_grpo.training.warm_start import WarmStartConfig, lr_factor, train_warm_start
 
 
 def test_worked_answer_of_a_hand_example() -> None:

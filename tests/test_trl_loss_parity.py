@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_grpo.losses import build_loss
 from lit_grpo.math import token_weights
+from lit_grpo.training.losses import build_loss
 
 trl = pytest.importorskip("trl", reason="TRL is a dev extra (pip install -e '.[dev]')")
 from packaging.version import Version  # noqa: E402  (after the skip: TRL brings it)

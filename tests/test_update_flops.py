@@ -1,4 +1,5 @@
-"""Model FLOPs and MFU of the update (``lit_grpo.flops``): hand computations, the peak table, and what a fit logs."""
+"""Model FLOPs and MFU of the update (``lit_grpo.training.flops``): hand computations, the peak table, and what a fit
+logs."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ from lit_grpo.callbacks import WeightSync
 from scripted_engine import ScriptedDataModule
 from torch import nn
 
-from lit_grpo.flops import model_flops_utilisation, parameter_count, peak_flops_for, processed_tokens, update_flops
-from lit_grpo.module import GRPOModule
+from lit_grpo.training.flops import (
+    model_flops_utilisation,
+    parameter_count,
+    peak_flops_for,
+    processed_tokens,
+    update_flops,
+)
+from lit_grpo.training.module import GRPOModule
 
 
 class TiedToy(nn.Module):
@@ -69,7 +76,7 @@ def test_bad_peak_flops_is_refused_before_the_model_loads(monkeypatch, bad):
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("lit_grpo.module.load_model_and_tokenizer", no_loading)
+    monkeypatch.setattr("lit_grpo.training.module.load_model_and_tokenizer", no_loading)
     with pytest.raises(ValueError, match=f"peak_flops .*got {bad!r}"):
         GRPOModule(model_name="tiny-random-llama", peak_flops=bad)
 

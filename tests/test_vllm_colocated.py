@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from vllm_helpers import ENGINE_OPTIONS, mean_gap, perturbed, requires_vllm, save_model, tiny_vllm_llama
 
+from lit_grpo.cli.plots import read_scalars
 from lit_grpo.engines.base import SamplingConfig
-from lit_grpo.plots import read_scalars
 
 pytestmark = [pytest.mark.vllm, requires_vllm]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from vllm_helpers import requires_vllm
 
-from lit_grpo.plots import read_scalars
+from lit_grpo.cli.plots import read_scalars
 
 pytestmark = [pytest.mark.vllm, requires_vllm]
 

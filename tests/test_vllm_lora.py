@@ -21,7 +21,7 @@ from vllm_helpers import ENGINE_OPTIONS, mean_gap, requires_vllm, save_model, ti
 
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.vllm_lora import VLLM_LORA_RANKS, AdapterVersions, lora_llm_kwargs, vllm_max_lora_rank
-from lit_grpo.lora import (
+from lit_grpo.models.lora import (
     LoraArgs,
     adapter_state,
     adapter_update,
@@ -431,7 +431,7 @@ def test_lora_fit_with_the_colocated_vllm_engine_through_a_merge(tmp_path):
     import subprocess
     import sys
 
-    from lit_grpo.plots import read_scalars
+    from lit_grpo.cli.plots import read_scalars
 
     root = Path(__file__).resolve().parents[1]
     model_dir = save_model(tmp_path / "tiny")

@@ -27,8 +27,8 @@ from vllm_helpers import (
     weight_digest,
 )
 
+from lit_grpo.cli.plots import read_scalars
 from lit_grpo.engines.base import SamplingConfig
-from lit_grpo.plots import read_scalars
 
 pytestmark = [pytest.mark.vllm, requires_vllm]
 

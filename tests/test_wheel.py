@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from server_process import READY
 
-from lit_grpo.commands import TOOLS
+from lit_grpo.cli.commands import TOOLS
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "lit_grpo"

@@ -36,7 +36,7 @@ def tiny_vllm_llama(seed: int = 0):  # noqa: ANN201
     """``(model, tokenizer)``: a 2-layer Llama with the suite's character tokenizer and head size 32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lit_grpo.models import tiny_tokenizer
+    from lit_grpo.models.loading import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
@@ -69,7 +69,7 @@ def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Modul
 def teacher_forced(model: torch.nn.Module, prompt: list[int], completion: list[int],
                    temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / T) of each completion token after the prompt and the tokens before it: one plain
-    forward pass over the whole sequence, written here rather than taken from ``lit_grpo.scoring``."""
+    forward pass over the whole sequence, written here rather than taken from ``lit_grpo.core.scoring``."""
     ids = torch.tensor([prompt + completion])
     logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double() / temperature
     return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]

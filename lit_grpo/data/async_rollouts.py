@@ -14,9 +14,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from lit_grpo.core.distributed import all_gather_objects
 from lit_grpo.data.producer import InlineProducer, Producer, RolloutProducer
 from lit_grpo.data.staleness import groups_from_state, groups_to_state
-from lit_grpo.distributed import all_gather_objects
 from lit_grpo.engines.base import Completion, Rollouts
 
 #: what a batch's request brings back: the rollouts and the seconds the completions took

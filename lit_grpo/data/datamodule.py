@@ -24,7 +24,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_grpo.batch import RolloutBatch
+from lit_grpo.core.batch import RolloutBatch
+from lit_grpo.core.distributed import everyone, rank_slice
+from lit_grpo.core.option_groups import plain
 from lit_grpo.data.async_rollouts import AsyncRollouts, Requested
 from lit_grpo.data.fit_checks import check_temperature_agrees, constant_normaliser_mismatch, unsynced_engine_warning
 from lit_grpo.data.gsm8k import load_gsm8k
@@ -39,7 +41,6 @@ from lit_grpo.data.staleness import (
     staleness_stats,
     weight_version_of,
 )
-from lit_grpo.distributed import everyone, rank_slice
 from lit_grpo.engines.base import (
     Completion,
     ReferenceServing,
@@ -50,8 +51,7 @@ from lit_grpo.engines.base import (
 )
 from lit_grpo.engines.options import ENGINE_OPTIONS, ServerOptions, TransformersOptions, VLLMOptions
 from lit_grpo.engines.options import engine_options as engine_options_of
-from lit_grpo.models import eos_token_ids, pad_token_id
-from lit_grpo.option_groups import plain
+from lit_grpo.models.loading import eos_token_ids, pad_token_id
 
 #: the autocast dtype of Lightning's mixed precisions (the forward context of ``training_step``)
 MIXED_AUTOCAST = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}

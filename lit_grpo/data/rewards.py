@@ -31,7 +31,7 @@ from fractions import Fraction
 
 from math_verify import parse, verify
 
-from lit_grpo.import_paths import resolve_callable
+from lit_grpo.core.import_paths import resolve_callable
 
 logger = logging.getLogger(__name__)
 

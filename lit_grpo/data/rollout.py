@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lit_grpo.batch import MicroBatch, RolloutBatch, left_pad, micro_batch_views
+from lit_grpo.core.batch import MicroBatch, RolloutBatch, left_pad, micro_batch_views
 from lit_grpo.engines.base import Completion
 from lit_grpo.math.advantages import group_advantages, zero_variance_mask
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lit_grpo.distributed import all_reduce
+from lit_grpo.core.distributed import all_reduce
 from lit_grpo.engines.base import Completion
 
 #: the default bound on the mean |sampler - trainer| log-prob gap per token: twice the largest bfloat16 gap measured
@@ -55,7 +55,8 @@ class GapReport:
 def teacher_forced_logprobs(model: nn.Module, prompt: list[int], completion: list[int], temperature: float,
                             device: torch.device) -> torch.Tensor:
     """``log softmax(logits / T)`` of each completion token after the prompt and the tokens before it, float64:
-    one plain forward over ``prompt + completion`` (independent of ``lit_grpo.scoring``'s shared-prompt path)."""
+    one plain forward over ``prompt + completion`` (independent of ``lit_grpo.core.scoring``'s shared-prompt
+    path)."""
     ids = torch.tensor([list(prompt) + list(completion)], device=device)
     logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1: -1].double() / temperature
     tokens = torch.tensor(completion, device=device)[:, None]

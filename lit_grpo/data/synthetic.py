@@ -70,7 +70,7 @@ class Problem:
 
     def columns(self, totals: dict[int, int] | None = None) -> list[Column]:
         """The worked steps. ``totals`` overrides the sum written in some columns (a slip: see
-        ``lit_grpo.warm_start``); the later columns then carry on from the written sums, as a solver would."""
+        ``lit_grpo.training.warm_start``); the later columns then carry on from the written sums, as a solver would."""
         out: list[Column] = []
         carry: int | None = None
         for i, (a, b) in enumerate(self.digits()):

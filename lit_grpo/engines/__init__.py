@@ -1,6 +1,8 @@
 """Rollout engines behind one contract (``base``: `RolloutEngine`, with `RemoteEngine` and `ReferenceServing` for
 what an engine in other processes adds): in process (`TransformersEngine`, colocated `VLLMEngine`) or rollout servers
-over HTTP (`ServerEngine`, the trainer's side in ``remote``); each kind's options in ``options``."""
+over HTTP (`ServerEngine`, the trainer's side in ``remote``); each kind's options in ``options``. It imports
+``core``, ``math``, ``models`` and the shared protocol (``wire``); never data, training, the server process or the
+command line."""
 
 from lit_grpo.engines.base import Completion, ReferenceServing, RemoteEngine, RolloutEngine, SamplingConfig
 from lit_grpo.engines.transformers_engine import TransformersEngine

@@ -3,7 +3,8 @@
 (``lit_grpo.serve.served_adapter``), so that both apply a merge with the trainer's own function and check it alike.
 
 Why unmerged: a push then copies adapter tensors only (no rewrite of the base, no float drift from add/subtract
-cycles), and the base changes only at a ``RefModelSwap``, through ``lit_grpo.lora.merge_adapter_into_base`` applied
+cycles), and the base changes only at a ``RefModelSwap``, through ``lit_grpo.models.lora.merge_adapter_into_base``
+applied
 to equal inputs in one fixed order, so the sampler's base stays bitwise the trainer's (checked by ``base_hash``).
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-#: the keys of ``lit_grpo.lora.lora_spec`` a sampler needs to rebuild the adapter's structure
+#: the keys of ``lit_grpo.models.lora.lora_spec`` a sampler needs to rebuild the adapter's structure
 SPEC_KEYS = ("r", "alpha", "target_modules")
 #: what peft puts into the names of the base weights of the layers that carry an adapter
 BASE_LAYER = ".base_layer"
@@ -50,7 +51,7 @@ def wrap_with_spec(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
     from peft import LoraConfig, TaskType, get_peft_model
 
     check_spec(spec)
-    # the trainer's structure (lit_grpo.lora.apply_lora): the same peft class, layers and scale
+    # the trainer's structure (lit_grpo.models.lora.apply_lora): the same peft class, layers and scale
     config = LoraConfig(r=int(spec["r"]), lora_alpha=float(spec["alpha"]), lora_dropout=0.0, bias="none",
                         target_modules=list(spec["target_modules"]), task_type=TaskType.CAUSAL_LM)
     devices = [p.device for p in model.parameters() if p.device.type == "cuda"]
@@ -62,7 +63,7 @@ def wrap_with_spec(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
 def ensure_lora(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
     """``model`` itself when it already carries a LoRA adapter of ``spec``'s structure, else wrapped by
     ``wrap_with_spec``; a ``ValueError`` when it carries another structure."""
-    from lit_grpo.lora import is_lora, lora_spec
+    from lit_grpo.models.lora import is_lora, lora_spec
 
     check_spec(spec)
     if not is_lora(model):
@@ -89,8 +90,8 @@ def apply_adapter_update(model: nn.Module, merges: Iterable[dict[str, torch.Tens
     then ``adapter``. All or nothing: a hash that differs restores the base as it was and raises a one-line
     ``ValueError`` naming both hashes and ``where`` (the sampler). Returns the number of merges applied and the
     base's hash when it was computed (``None`` otherwise)."""
-    from lit_grpo.lora import base_hash as hash_of_base
-    from lit_grpo.lora import load_adapter_state, merge_adapter_into_base
+    from lit_grpo.models.lora import base_hash as hash_of_base
+    from lit_grpo.models.lora import load_adapter_state, merge_adapter_into_base
 
     merges = list(merges)
     saved = [w.detach().clone() for w in merged_weights(model)] if merges else []

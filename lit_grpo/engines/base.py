@@ -27,8 +27,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from lit_grpo.batch import MicroBatch
-from lit_grpo.lora import AdapterUpdate  # noqa: F401 (one LoRA push: defined beside the functions that build it)
+from lit_grpo.core.batch import MicroBatch
+from lit_grpo.models.lora import AdapterUpdate  # noqa: F401 (one LoRA push: defined beside the functions that build it)
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,8 @@ class AdapterEngine(Protocol):
     """An engine that takes LoRA adapters (``model.lora``): it holds a base and an adapter of the policy's spec and
     samples with both, unmerged."""
 
-    #: how many of the trainer's merges (``lit_grpo.lora.merge_log(policy).entries``) its base holds: the next update
+    #: how many of the trainer's merges (``lit_grpo.models.lora.merge_log(policy).entries``) its base holds: the next
+    # update
     #: carries ``entries[merges_applied:]``
     merges_applied: int
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from lit_grpo.option_groups import as_group
+from lit_grpo.core.option_groups import as_group
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from lit_grpo.core.scoring import positions_from_mask
 from lit_grpo.math.logprobs import selective_log_softmax
-from lit_grpo.scoring import positions_from_mask
 
 
 def padded_width(longest: int, multiple: int) -> int:

@@ -13,14 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_grpo.batch import left_pad
-from lit_grpo.distributed import is_sharded
+from lit_grpo.core.batch import left_pad
+from lit_grpo.core.distributed import is_sharded
+from lit_grpo.core.scoring import completion_logprobs, positions_from_mask
 from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
 from lit_grpo.engines.kv_cache import preallocate
 from lit_grpo.engines.static_decoding import StaticDecoder
 from lit_grpo.math.logprobs import selective_log_softmax
-from lit_grpo.model_copies import materialize, skeleton_copy
-from lit_grpo.scoring import completion_logprobs, positions_from_mask
+from lit_grpo.models.copies import materialize, skeleton_copy
 
 log = logging.getLogger(__name__)
 DECODE_MODES = ("auto", "static", "dynamic")
@@ -103,7 +103,8 @@ class TransformersEngine(RolloutEngine):
 
     @property
     def merges_applied(self) -> int:
-        """How many of the policy's merges (``lit_grpo.lora.merge_log``) the copy's base holds. Before the copy is
+        """How many of the policy's merges (``lit_grpo.models.lora.merge_log``) the copy's base holds. Before the copy
+        is
         made: those of the source, whose base it will copy."""
         if self._merges_applied is None:
             source = self._source if self._source is not None else self._model
@@ -136,7 +137,7 @@ class TransformersEngine(RolloutEngine):
         model = materialize(skeleton, device)
         self._merges_applied = source_merges(source)  # its base is the source's as it is now
         if fill and not is_sharded(source):
-            from lit_grpo.lora import is_lora
+            from lit_grpo.models.lora import is_lora
 
             if is_lora(source) and not is_lora(model):  # the policy got its adapter after the engine was made
                 model = copy_into_lora(model, source)
@@ -314,7 +315,7 @@ class TransformersEngine(RolloutEngine):
     def state_dict(self) -> dict[str, Any]:
         """The copy's weights by name; for a LoRA copy (peft names: base and adapter) also its spec (``LORA_SPEC_KEY``,
         JSON) and the merges its base holds (``MERGES_KEY``), which an exact resume needs while it lags the policy."""
-        from lit_grpo.lora import is_lora, lora_spec
+        from lit_grpo.models.lora import is_lora, lora_spec
 
         state: dict[str, Any] = {k: v.detach().cpu().clone() for k, v in self.model.named_parameters()}
         if is_lora(self.model):
@@ -341,7 +342,7 @@ class TransformersEngine(RolloutEngine):
 
 def source_merges(source: nn.Module) -> int:
     """How many merges of its log a LoRA policy's base holds (0 for a model without adapters)."""
-    from lit_grpo.lora import is_lora, merge_log
+    from lit_grpo.models.lora import is_lora, merge_log
 
     return len(merge_log(source)) if is_lora(source) else 0
 
@@ -351,7 +352,7 @@ def copy_into_lora(model: nn.Module, source: nn.Module) -> nn.Module:
     """A plain copy ``model`` filled with the base of the LoRA policy ``source`` (names mapped from peft's), then
     given the source's adapter structure and values."""
     from lit_grpo.engines.adapters import wrap_with_spec
-    from lit_grpo.lora import adapter_state, load_adapter_state, lora_spec, plain_name
+    from lit_grpo.models.lora import adapter_state, load_adapter_state, lora_spec, plain_name
 
     mine = dict(model.named_parameters())
     for name, theirs in source.named_parameters():

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_grpo.distributed import close_at_exit
+from lit_grpo.core.distributed import close_at_exit
 from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
 from lit_grpo.engines.sampling_fields import vllm_sampling_fields
 from lit_grpo.engines.vllm_cpu import cpu_llm_defaults
 from lit_grpo.engines.vllm_install import INSTALL_RECIPE, VLLMInstallError, alias_refusal, import_failure
-from lit_grpo.models import ALIASES
+from lit_grpo.models.loading import ALIASES
 
 INSTALL_HINT = INSTALL_RECIPE  # README "Install", step by step (lit_grpo.engines.vllm_install)
 
@@ -308,7 +308,7 @@ class VLLMEngine(RolloutEngine):
         """For a LoRA policy: the adapters' spec, a fresh directory for their versions, and the ``LLM`` arguments
         that enable them (``lora_llm_kwargs``); nothing for another policy."""
         from lit_grpo.engines.vllm_lora import AdapterVersions, lora_llm_kwargs
-        from lit_grpo.lora import is_lora, lora_spec
+        from lit_grpo.models.lora import is_lora, lora_spec
 
         if not is_lora(policy):
             return {}
@@ -330,7 +330,7 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         """Shut vLLM's engine down: its workers and the process groups it made. Runs at exit before
-        ``lit_grpo.distributed`` destroys the remaining groups; vLLM's own finalizer would otherwise run after
+        ``lit_grpo.core.distributed`` destroys the remaining groups; vLLM's own finalizer would otherwise run after
         that and fail on groups already gone. Idempotent (vLLM detaches its finalizer on the first call). The
         adapter versions' directory goes too."""
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)

@@ -43,7 +43,7 @@ class VLLMInstallError(ImportError, ValueError):
 def alias_refusal(model_name: object) -> str | None:
     """Why vLLM cannot load ``model_name``, when it is one of lit_grpo's model aliases (built in memory or converted
     on first use, with no directory vLLM could read), with the command that writes it as one; else ``None``."""
-    from lit_grpo.models import ALIASES
+    from lit_grpo.models.loading import ALIASES
 
     if not isinstance(model_name, str) or model_name not in ALIASES:
         return None

@@ -2,12 +2,13 @@
 (``ServerEngine`` with ``kind: vllm``). vLLM is not imported here.
 
 vLLM takes adapters by path, through its own LoRA mechanism: each push writes a new adapter version in peft's format
-(``adapter_config.json`` + ``adapter_model.safetensors``, ``lit_grpo.lora.write_adapter``) into ``<dir>/v<k>``, and
+(``adapter_config.json`` + ``adapter_model.safetensors``, ``lit_grpo.models.lora.write_adapter``) into ``<dir>/v<k>``,
+and
 the requests name it (``LoRARequest("v<k>", k, path)`` colocated, ``model: "v<k>"`` for ``vllm serve``). The newest
 ``keep`` versions stay loaded (K + 1, K = ``data.max_staleness``: a request sampled before a push may still name
 the previous one), older ones are unloaded and their directories removed (:class:`AdapterVersions`).
 
-A stage swap merges the adapter into the trainer's base (``lit_grpo.lora.swap_reference_by_merge``). vLLM's base
+A stage swap merges the adapter into the trainer's base (``lit_grpo.models.lora.swap_reference_by_merge``). vLLM's base
 weights are fused and cannot be read back under the model's names, so a merge reaches vLLM as a push of the
 trainer's merged base (:func:`base_named_tensors`, the plain model's names) through the full-weight path, then the
 new adapter.
@@ -42,7 +43,7 @@ def vllm_max_lora_rank(r: int) -> int:
 
 
 def lora_llm_kwargs(spec: dict[str, Any], keep: int) -> dict[str, Any]:
-    """``vllm.LLM`` arguments for sampling with adapters of ``spec`` (``lit_grpo.lora.lora_spec``), ``keep``
+    """``vllm.LLM`` arguments for sampling with adapters of ``spec`` (``lit_grpo.models.lora.lora_spec``), ``keep``
     versions loaded at once: ``enable_lora``, ``max_lora_rank`` (:func:`vllm_max_lora_rank`), ``max_loras`` and
     ``max_cpu_loras`` (``keep``: vLLM may cache no version beyond the ones kept)."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -54,8 +55,8 @@ def lora_llm_kwargs(spec: dict[str, Any], keep: int) -> dict[str, Any]:
 def base_named_tensors(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The LoRA policy's base weights (the adapters left out) under the plain model's names, full, one at a time:
     what vLLM loads to follow a merge. A collective under FSDP (every rank iterates it to the end)."""
-    from lit_grpo.distributed import full_named_parameters
-    from lit_grpo.lora import plain_name
+    from lit_grpo.core.distributed import full_named_parameters
+    from lit_grpo.models.lora import plain_name
 
     for name, tensor in full_named_parameters(policy):
         if ".lora_" not in name:
@@ -94,9 +95,9 @@ class AdapterVersions:
         return self.loaded[-1] if self.loaded else None
 
     def add(self, spec: dict[str, Any], tensors: dict[str, torch.Tensor], write: bool = True) -> AdapterVersion:
-        """Write the next version (peft's format, ``lit_grpo.lora.write_adapter``) and make it the current one.
+        """Write the next version (peft's format, ``lit_grpo.models.lora.write_adapter``) and make it the current one.
         ``write=False`` only counts it (a rank that names the versions rank 0 writes)."""
-        from lit_grpo.lora import write_adapter
+        from lit_grpo.models.lora import write_adapter
 
         name = f"{self.prefix}{self._next_id}"
         version = AdapterVersion(name, self._next_id, self.root / name)

@@ -1,7 +1,8 @@
 """Pure math of GRPO (no Lightning): each function cites the equation it implements.
 
 Equation numbers refer to Mroueh et al., "Revisiting Group Relative Policy Optimization: Insights into
-On-Policy and Off-Policy Training" unless stated otherwise.
+On-Policy and Off-Policy Training" unless stated otherwise. It imports torch only: every other role may import it,
+and it imports none of them.
 """
 
 from lit_grpo.math.advantages import group_advantages, zero_variance_mask

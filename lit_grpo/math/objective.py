@@ -13,7 +13,7 @@ import torch
 from lit_grpo.math.kl import k3_kl
 from lit_grpo.math.surrogate import clip_bounds, clipped_surrogate, truncate_ratio
 
-#: a policy loss: called with the contract's keyword arguments (written in :mod:`lit_grpo.losses`), returns
+#: a policy loss: called with the contract's keyword arguments (written in :mod:`lit_grpo.training.losses`), returns
 #: ``(loss, stats)``
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 

@@ -16,7 +16,7 @@ So the whole family is one function, :func:`reinforce_loss`, and each loss picks
 w (1 or r), the per-sequence coefficient c (A, :func:`asymre_coefficient`, :func:`red_weight_coefficient`) and
 the regulariser (:func:`opmd_regulariser`). Each loss takes the keyword arguments of
 :func:`lit_grpo.math.objective.grpo_loss` and returns the same ``(loss, stats)`` (the loss contract, written in
-:mod:`lit_grpo.losses`, whose registry names them); its ``config`` is its options dataclass below, which is
+:mod:`lit_grpo.training.losses`, whose registry names them); its ``config`` is its options dataclass below, which is
 also its ``model.loss_options`` section. The loss VALUE is the REINFORCE pseudo-loss ``-A w log pi`` (not
 GRPO's surrogate ``-A pi/alpha``), so logged losses of the two families are not comparable; their gradients
 are: with ``w = r``, ``-A r grad log pi = -A grad(pi/alpha)``.
@@ -361,7 +361,7 @@ red_drop_loss = _family_loss("red_drop_loss", LossConfig, doc="""\
 RED-Drop's loss (Yao et al. 2025, appendix RED): plain group-relative REINFORCE ``-A * log pi``, no mask, no
 importance weight. The method lives in the data: ``advantages`` must come from :func:`red_drop_advantages` and
 its ``keep_mask`` be folded into ``mask`` (hence ``weights``) by the trainer (the ``red_drop`` entry's batch hook
-in :mod:`lit_grpo.losses`).""")
+in :mod:`lit_grpo.training.losses`).""")
 
 red_weight_loss = _family_loss("red_weight_loss", REDWeightOptions, coefficient=red_weight_coefficient, doc="""\
 RED-Weight (Yao et al. 2025, appendix RED, Fig. 4): ``-exp(A / temp) * A * log pi``

@@ -7,9 +7,10 @@ part of the update that needs no gradient and no current policy, so the server c
 
 The trainer pushes pi_ref like the policy (``/start_weight_update {"target": "reference"}``), labelled with its
 ``reference_version``; a scoring request names the version it expects and gets a 409 from a server holding
-another. The request carries the trainer's own micro-batches (``lit_grpo.batch.micro_batch_views``; the trainer sends
+another. The request carries the trainer's own micro-batches (``lit_grpo.core.batch.micro_batch_views``; the trainer
+sends
 one per request, so a body stays within ``--max-body-bytes`` however large the batch) and the server runs the
-trainer's scoring function on them (``lit_grpo.scoring.completion_logprobs``), so the numbers are the ones
+trainer's scoring function on them (``lit_grpo.core.scoring.completion_logprobs``), so the numbers are the ones
 the trainer would compute: in the server's dtype, under the trainer's autocast when it trains in mixed precision
 (``autocast`` in the request). The project's server only: vLLM 0.33 has no second model.
 
@@ -63,8 +64,8 @@ class ReferenceRoutes:
         """Make pi_ref's copy at its first push (the rollout policy's weights until the push lands). Called under
         the transfer lock, so no policy swap runs meanwhile."""
         if self.model is None:
-            from lit_grpo.lora import is_lora
-            from lit_grpo.model_copies import frozen_copy
+            from lit_grpo.models.copies import frozen_copy
+            from lit_grpo.models.lora import is_lora
 
             model = frozen_copy(self.policy.model)
             if is_lora(model):  # a LoRA fit's served model, before a full fit's first policy push: pi_ref is plain
@@ -88,7 +89,7 @@ class ReferenceRoutes:
         ``[s, C']`` list per micro-batch (padded positions included; the trainer masks them)."""
         import torch
 
-        from lit_grpo.scoring import completion_logprobs
+        from lit_grpo.core.scoring import completion_logprobs
 
         expected = body.get("reference_version")
         if isinstance(expected, bool) or not isinstance(expected, (str, int)):
@@ -126,7 +127,7 @@ class ReferenceRoutes:
         """pi_ref of a LoRA policy: the served base, adapter off, labelled with the merges it holds."""
         import torch
 
-        from lit_grpo.scoring import completion_logprobs
+        from lit_grpo.core.scoring import completion_logprobs
 
         precision = (torch.autocast(self.device.type, dtype=getattr(torch, autocast)) if autocast is not None
                      else contextlib.nullcontext())
@@ -146,7 +147,7 @@ class ReferenceRoutes:
         """One checked micro-batch as a ``MicroBatch`` on the server's device."""
         import torch
 
-        from lit_grpo.batch import MicroBatch
+        from lit_grpo.core.batch import MicroBatch
 
         where = f"micro_batches[{i}]"
         if not isinstance(item, dict) or any(k not in item for k in MICRO_BATCH_FIELDS):

@@ -48,7 +48,7 @@ class ServedAdapter:
         return {"spec": self.spec, "merges_applied": self.merges_applied}
 
     def base_hash(self) -> str:
-        from lit_grpo.lora import base_hash
+        from lit_grpo.models.lora import base_hash
 
         if self._hash is None:
             self._hash = base_hash(self.policy.model)
@@ -87,7 +87,7 @@ class ServedAdapter:
         """The parameters a full (``policy``) push writes, by the plain model's names: the served model's own, or,
         while it carries an adapter, its base's (peft's names without ``base_model.model.`` and ``.base_layer``), so
         that a full fit that follows a LoRA fit pushes to this server as to a fresh one."""
-        from lit_grpo.lora import is_lora, plain_name
+        from lit_grpo.models.lora import is_lora, plain_name
 
         if not is_lora(self.policy.model):
             return self.policy.params
@@ -101,7 +101,7 @@ class ServedAdapter:
         the new weights and report the old fit's merges. peft's ``unload`` takes the adapter layers out without
         merging them (the push overwrote the base), and leaves the very parameters the push wrote. The next LoRA
         fit's first push wraps the model again (``start``), with a fresh adapter and no merges."""
-        from lit_grpo.lora import is_lora
+        from lit_grpo.models.lora import is_lora
 
         if is_lora(self.policy.model):
             self.policy.set_model(self.policy.model.unload())
@@ -110,7 +110,7 @@ class ServedAdapter:
     def params(self) -> dict[str, Any]:
         """The tensors an adapter push must announce, by name (their dtype and shape are the server's): the merges
         the push declared, then the adapter."""
-        from lit_grpo.lora import adapter_names, adapter_parameters
+        from lit_grpo.models.lora import adapter_names, adapter_parameters
 
         if self.pending is None:
             return {}

@@ -68,7 +68,7 @@ class RolloutServer:
 
     def __init__(self, model: Any, tokenizer: Any, model_name: str, token: str, limits: Limits = DEFAULT_LIMITS,
                  reuse_buffers: bool = True) -> None:
-        from lit_grpo.models import eos_token_ids
+        from lit_grpo.models.loading import eos_token_ids
 
         if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
             raise ValueError(f"the server token must be at least {MIN_TOKEN_CHARS} characters")
@@ -221,7 +221,7 @@ def main(argv: Sequence[str]) -> None:
     check_connection_options(args.read_timeout, args.max_connections)
     import torch
 
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.models.loading import load_model_and_tokenizer
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -141,7 +141,7 @@ class WeightReceiver:
                 raise HTTPFailure(502, f"could not join the weight-transfer group at {address}:{port}: {err}") from err
             self.group, self.store, self.backend, self.packed = group, store, backend, packed
             self.transfer_timeout_s = timeout_s
-            from lit_grpo.distributed import close_at_exit
+            from lit_grpo.core.distributed import close_at_exit
 
             close_at_exit(self._drop_transfer)  # the group's worker threads are joined before the interpreter finalizes
         return {"message": "Weight transfer initialized"}

@@ -3,4 +3,4 @@ HTTP protocol (``protocol``: routes, request and response shapes, errors, the JS
 token and the loopback rule (``auth``: one reader of the token for every side, no torch), the
 bytes of a weight push (``weight_transfer``: the process group, packing, buckets, waits, checksums) and the gloo
 weight-transfer backend for ``vllm serve`` (``vllm_gloo``: a vLLM plugin, its worker side and its trainer side).
-Importing this package imports nothing heavy; import the module you need."""
+It imports ``core`` only. Importing this package imports nothing heavy; import the module you need."""

@@ -273,7 +273,7 @@ def make_trainer_engine_class() -> type:
             finally:
                 pool.shutdown(wait=False)
             # in the trainer's process only (not imported at the top: vLLM's own processes load this module too)
-            from lit_grpo.distributed import close_at_exit
+            from lit_grpo.core.distributed import close_at_exit
 
             close_at_exit(engine.shutdown)  # the group's worker threads are joined before the interpreter finalizes
             return engine

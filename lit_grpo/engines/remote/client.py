@@ -33,8 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_grpo.batch import MicroBatch
-from lit_grpo.distributed import close_at_exit, everyone, rank_and_world
+from lit_grpo.core.batch import MicroBatch
+from lit_grpo.core.distributed import close_at_exit, everyone, rank_and_world
+from lit_grpo.core.option_groups import as_group, plain
 from lit_grpo.engines.base import (
     AdapterEngine,
     AdapterUpdate,
@@ -49,7 +50,6 @@ from lit_grpo.engines.remote.connection import ServerConnection
 from lit_grpo.engines.remote.reference_client import ReferenceClient
 from lit_grpo.engines.remote.weight_push import WeightPusher
 from lit_grpo.engines.sampling_fields import vllm_sampling_fields
-from lit_grpo.option_groups import as_group, plain
 from lit_grpo.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV, find_token
 from lit_grpo.wire.protocol import ServerError, version_text
 

@@ -8,7 +8,7 @@ import warnings
 from typing import Any
 from urllib.parse import urlsplit
 
-from lit_grpo.distributed import close_at_exit
+from lit_grpo.core.distributed import close_at_exit
 from lit_grpo.wire.protocol import HTTPClient
 
 
@@ -32,7 +32,7 @@ class ServerConnection:
     def attach_group(self, group: Any, store: Any, listener: Any) -> None:
         """Keep the weight-transfer group this side formed (with its store and, on the trainer's side, the store's
         listening socket) until ``close_group``, which also runs at the end of the process: the group's worker
-        threads must be joined before the interpreter finalizes (``lit_grpo.distributed.close_at_exit``)."""
+        threads must be joined before the interpreter finalizes (``lit_grpo.core.distributed.close_at_exit``)."""
         self.group, self.store, self.listener = group, store, listener
         close_at_exit(self.close_group)
 

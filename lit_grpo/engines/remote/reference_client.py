@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_grpo.batch import MicroBatch
+from lit_grpo.core.batch import MicroBatch
 from lit_grpo.engines.remote.connection import ServerConnection
 from lit_grpo.wire.protocol import ServerError, version_text
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_grpo.distributed import full_named_parameters, is_fsdp1
+from lit_grpo.core.distributed import full_named_parameters, is_fsdp1
 from lit_grpo.engines.options import ServerOptions
 from lit_grpo.engines.remote.connection import ServerConnection
 from lit_grpo.wire.protocol import ServerError, version_text
@@ -137,7 +137,7 @@ def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: to
 def policy_tensors(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """What a push sends for ``policy``: its full parameters, or for a LoRA policy its base under the plain model's
     names (``lit_grpo.engines.vllm_lora.base_named_tensors``: vLLM takes the adapters by path)."""
-    from lit_grpo.lora import is_lora
+    from lit_grpo.models.lora import is_lora
 
     if is_lora(policy):
         from lit_grpo.engines.vllm_lora import base_named_tensors
@@ -149,8 +149,8 @@ def policy_tensors(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def pushed_parameters(policy: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(name, parameter)`` of what ``policy_tensors`` sends, under the names vLLM loads, without gathering: a
     LoRA policy's base (the plain model's names), else every parameter."""
-    from lit_grpo.distributed import strip_wrapper_prefixes
-    from lit_grpo.lora import is_lora, plain_name
+    from lit_grpo.core.distributed import strip_wrapper_prefixes
+    from lit_grpo.models.lora import is_lora, plain_name
 
     if is_lora(policy):
         return [(plain_name(name), p) for name, p in policy.named_parameters() if ".lora_" not in name]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_grpo.distributed import (
+from lit_grpo.core.distributed import (
     FullParameters,
     all_reduce,
     is_distributed,

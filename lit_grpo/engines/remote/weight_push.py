@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_grpo.distributed import all_gather_objects, rank_and_world
+from lit_grpo.core.distributed import all_gather_objects, rank_and_world
 from lit_grpo.engines.options import ServerOptions
 from lit_grpo.engines.remote.connection import ServerConnection
 from lit_grpo.engines.remote.weight_gather import GatherBuffer, fsdp2_source, rank0_buckets

@@ -2,7 +2,7 @@
 
 Layout: each distinct prompt is stored once (left-padded, ``prompt_ids [num_prompts, P]``); its G completions
 are right-padded rows of ``completion_ids [num_prompts * G, C]`` and ``group_index`` maps a completion to its
-prompt. Scoring reuses one prompt forward for all completions that share it (see ``lit_grpo.scoring``).
+prompt. Scoring reuses one prompt forward for all completions that share it (see ``lit_grpo.core.scoring``).
 """
 
 from __future__ import annotations

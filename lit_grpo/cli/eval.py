@@ -1,7 +1,8 @@
 """``python -m lit_grpo eval (--model M | --ckpt CKPT)``: Pass@k of a model or a checkpoint's policy, without
 training.
 
-It runs :func:`lit_grpo.evaluation.evaluate_pass_at_k`, the implementation behind the ``GSM8KPassAtK`` callback,
+It runs :func:`lit_grpo.evaluation.pass_at_k.evaluate_pass_at_k`, the implementation behind the ``GSM8KPassAtK``
+callback,
 with the callback's defaults (judge, prompts, chunking and seeding), so the command and the callback report the
 same numbers for the same weights and settings. Prints a table and writes it as JSON.
 
@@ -62,10 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_policy(args: argparse.Namespace):  # noqa: ANN201 - (model, tokenizer)
     if args.model:
-        from lit_grpo.models import load_model_and_tokenizer
+        from lit_grpo.models.loading import load_model_and_tokenizer
 
         return load_model_and_tokenizer(args.model, args.dtype)
-    from lit_grpo.export import load_policy_from_checkpoint
+    from lit_grpo.cli.export import load_policy_from_checkpoint
 
     return load_policy_from_checkpoint(args.ckpt)
 
@@ -78,12 +79,12 @@ def main(argv: Sequence[str]) -> dict:
     ks = parse_ks(args.ks)
     import torch
 
-    from lit_grpo.checkpoints import CheckpointError
+    from lit_grpo.core.checkpoints import CheckpointError
     from lit_grpo.data.gsm8k import load_gsm8k
     from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
     from lit_grpo.data.rewards import RewardRunner
     from lit_grpo.engines.base import SamplingConfig
-    from lit_grpo.evaluation import PassAtKSettings, evaluate_pass_at_k
+    from lit_grpo.evaluation.pass_at_k import PassAtKSettings, evaluate_pass_at_k
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     settings = PassAtKSettings(

@@ -4,10 +4,10 @@ before any model is loaded where the value allows it (the data module is built b
 ``LIT_GRPO_DEBUG=1`` shows the traceback instead. Errors raised once training has started keep their tracebacks.
 
 :class:`OneLineErrorsCLI` is the LightningCLI base that turns jsonargparse's and Lightning's exceptions into a
-:class:`~lit_grpo.commands.UsageError` naming the key and the source of its value; :func:`report_usage_errors`
-prints it. The convention itself (the line, the exit status, the debug switch) is :mod:`lit_grpo.commands`'s, shared
+:class:`~lit_grpo.cli.commands.UsageError` naming the key and the source of its value; :func:`report_usage_errors`
+prints it. The convention itself (the line, the exit status, the debug switch) is :mod:`lit_grpo.cli.commands`'s, shared
 with the tools; what locating an error needs from Lightning and jsonargparse beyond their documented API is in
-:mod:`lit_grpo.cli_hooks`.
+:mod:`lit_grpo.cli.hooks`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
-from lit_grpo.checkpoints import Checkpoint, CheckpointError
-from lit_grpo.cli_hooks import key_of_parse_error, object_under_construction
-from lit_grpo.commands import UsageError, debug, fail, one_line
+from lit_grpo.cli.commands import UsageError, debug, fail, one_line
+from lit_grpo.cli.hooks import key_of_parse_error, object_under_construction
+from lit_grpo.core.checkpoints import Checkpoint, CheckpointError
 from lit_grpo.data.sampler_check import SamplerMismatchError
 
 __all__ = ["MOVED_OPTIONS", "NOT_OFFERED", "OneLineErrorsCLI", "option_hint", "report_usage_errors"]
@@ -121,7 +121,7 @@ _held_back = _HeldBack()
 
 
 class OneLineErrorsCLI(LightningCLI):
-    """A LightningCLI whose bad values raise :class:`~lit_grpo.commands.UsageError` naming the config key and
+    """A LightningCLI whose bad values raise :class:`~lit_grpo.cli.commands.UsageError` naming the config key and
     where its value came from. A subclass refuses values of its own in :meth:`check_values`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -131,7 +131,7 @@ class OneLineErrorsCLI(LightningCLI):
             sys.argv[1:] if argv is None else [])
         self._checkpoint: Checkpoint | None = None
         # "parsed" from the end of parse_arguments to before_instantiate_classes: LightningCLI parses the
-        # checkpoint's hyperparameters in between (lit_grpo.cli_hooks.HPARAMS_BETWEEN)
+        # checkpoint's hyperparameters in between (lit_grpo.cli.hooks.HPARAMS_BETWEEN)
         self._stage = "parsing"
         try:
             super().__init__(*args, **kwargs)
@@ -171,7 +171,7 @@ class OneLineErrorsCLI(LightningCLI):
         self._stage = "instantiating"
 
     def check_values(self) -> None:
-        """Refuse values before any class is built, raising :class:`~lit_grpo.commands.UsageError`."""
+        """Refuse values before any class is built, raising :class:`~lit_grpo.cli.commands.UsageError`."""
 
     def instantiate_classes(self) -> None:
         try:
@@ -239,7 +239,7 @@ class OneLineErrorsCLI(LightningCLI):
                              f"directory; `last` and `best` are resolved by fit only: name the file", where)
         checkpoint, self._checkpoint = self._checkpoint, None
         if checkpoint is not None:
-            from lit_grpo.export import tied_aliases
+            from lit_grpo.cli.export import tied_aliases
 
             expected = policy.state_dict()
             aliases = tied_aliases(policy)

@@ -25,7 +25,7 @@ Every policy loss, built-in or yours, is a function called once per micro-batch 
 It returns ``(loss, stats)``: ``loss`` a 0-d tensor to minimise (its gradient is the update), ``stats`` a dict of
 detached 0-d tensors holding at least :data:`STAT_KEYS` (sums and extrema over the tokens of ``mask``, which
 merge over micro-batches and ranks); :func:`lit_grpo.math.objective.token_stats` builds them. Extra keys are
-merged by the same rule, by name (:func:`lit_grpo.stat_reduction.reduction`: ``*_min`` / ``*_max`` as extrema,
+merged by the same rule, by name (:func:`lit_grpo.training.stat_reduction.reduction`: ``*_min`` / ``*_max`` as extrema,
 others as sums) and logged per iteration.
 
 ``config`` of a built-in loss is its options dataclass (the class its ``config`` parameter is annotated with,
@@ -50,14 +50,14 @@ from typing import Any, get_type_hints
 
 import torch
 
-from lit_grpo.batch import RolloutBatch
-from lit_grpo.import_paths import resolve_callable
+from lit_grpo.core.batch import RolloutBatch
+from lit_grpo.core.import_paths import resolve_callable
+from lit_grpo.core.option_groups import as_group
 from lit_grpo.math import rec
 from lit_grpo.math.cispo import CISPOOptions, cispo_loss
 from lit_grpo.math.gspo import GSPOOptions, gspo_loss
 from lit_grpo.math.objective import GRPOOptions, LossConfig, LossFn, grpo_loss
 from lit_grpo.math.rec import ClipOptions, REDWeightOptions, RingOptions, TauOptions
-from lit_grpo.option_groups import as_group
 
 #: a loss's batch hook: ``(batch, rank) -> (shaped copy of batch, [S] keep mask or None)``
 BatchHook = Callable[[RolloutBatch, int], tuple[RolloutBatch, "torch.Tensor | None"]]
@@ -192,7 +192,7 @@ class PolicyLoss:
 
 
 _SPEC_HELP = (f"expected a built-in loss ({', '.join(BUILTIN_LOSSES)}) or 'package.module:function' naming "
-              f"fn({', '.join(LOSS_ARGUMENTS)}) -> (loss, stats); see lit_grpo.losses")
+              f"fn({', '.join(LOSS_ARGUMENTS)}) -> (loss, stats); see lit_grpo.training.losses")
 
 
 def resolve_loss_function(spec: str) -> LossFn:

@@ -24,7 +24,7 @@ as the model sees it (:func:`training_data_digest`: problems, worked answers, pr
 change to any of them trains a fresh model instead of loading a stale one. Later runs load them in a second.
 ``warm_start.json`` in the folder records all of these and :func:`weights_fingerprint` of the weights.
 
-The recipe sits above model loading: it builds on :mod:`lit_grpo.models` (the character tokenizer, the cache
+The recipe sits above model loading: it builds on :mod:`lit_grpo.models.loading` (the character tokenizer, the cache
 folder), and the ``arith-tiny-sft`` alias there names :func:`load_arith_tiny_sft` by its import path.
 """
 
@@ -46,7 +46,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lit_grpo.data.prompts import prompt_ids
 from lit_grpo.data.synthetic import generate_problems, worked_answer
-from lit_grpo.models import cache_dir, tiny_tokenizer
+from lit_grpo.models.loading import cache_dir, tiny_tokenizer
 
 #: bump when the training recipe changes in a way the config does not capture, to invalidate old caches
 RECIPE_VERSION = 1
@@ -188,7 +188,7 @@ def train_warm_start(
          list(tokenizer(worked_answer(p.columns()), add_special_tokens=False)["input_ids"]) + [eos])
         for p in problems
     ]
-    rng = random.Random(f"lit_grpo.warm_start:{config.seed}")
+    rng = random.Random(f"lit_grpo.training.warm_start:{config.seed}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, betas=(0.9, 0.98))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(config, step))
     model.train()
@@ -250,5 +250,6 @@ def load_warm_started(config: WarmStartConfig = ARITH_TINY_SFT, dtype: torch.dty
 
 
 def load_arith_tiny_sft(dtype: torch.dtype) -> tuple[LlamaForCausalLM, object]:
-    """The ``arith-tiny-sft`` alias of :func:`lit_grpo.models.load_model_and_tokenizer`: :data:`ARITH_TINY_SFT`."""
+    """The ``arith-tiny-sft`` alias of :func:`lit_grpo.models.loading.load_model_and_tokenizer`:
+    :data:`ARITH_TINY_SFT`."""
     return load_warm_started(ARITH_TINY_SFT, dtype=dtype)

@@ -1,8 +1,9 @@
 """What the training CLI's ``validate``, ``test`` and ``predict`` run, once LightningCLI has built the model, the data
-module and the trainer (:class:`lit_grpo.cli.GRPOCLI` calls these; nothing here parses arguments).
+module and the trainer (:class:`lit_grpo.cli.lightning_cli.GRPOCLI` calls these; nothing here parses arguments).
 
 ``validate`` and ``test`` are the Pass@k evaluation of the ``eval`` section, the implementation behind the
-``GSM8KPassAtK`` callback and ``python -m lit_grpo eval`` (:func:`lit_grpo.evaluation.evaluate_pass_at_k`), so all
+``GSM8KPassAtK`` callback and ``python -m lit_grpo eval`` (:func:`lit_grpo.evaluation.pass_at_k.evaluate_pass_at_k`),
+so all
 three report the same numbers for the same weights and settings. The datasets have a train and a test split only:
 ``validate`` evaluates the split the ``eval`` section names (``eval.split``, by default ``test``), ``test`` always
 the test split. ``predict`` samples ``data.num_generations`` completions per prompt, with the training sampling
@@ -28,7 +29,7 @@ from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import prompt_ids
 from lit_grpo.data.rewards import RewardRunner
 from lit_grpo.engines.base import SamplingConfig
-from lit_grpo.evaluation import PassAtKSettings, evaluate_pass_at_k
+from lit_grpo.evaluation.pass_at_k import PassAtKSettings, evaluate_pass_at_k
 
 POLICY_PREFIX = "policy."
 #: prompts sampled together by ``predict`` (one generate call; a chunk's seed is derived from its first prompt)
@@ -136,7 +137,7 @@ def predictions(policy: nn.Module, tokenizer: Any, rows: Sequence[dict], num_gen
     Prompts are sampled ``PREDICT_CHUNK`` at a time, each chunk with a seed derived from ``seed`` and its first
     row, so the same rows, weights and seed give the same file."""
     from lit_grpo.engines.transformers_engine import TransformersEngine
-    from lit_grpo.models import eos_token_ids
+    from lit_grpo.models.loading import eos_token_ids
 
     engine = TransformersEngine(policy, eos_token_ids(tokenizer, policy), tokenizer.pad_token_id, copy_weights=False)
     for start in range(0, len(rows), PREDICT_CHUNK):

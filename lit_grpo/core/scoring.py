@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
-from lit_grpo.batch import MicroBatch
+from lit_grpo.core.batch import MicroBatch
 from lit_grpo.math.logprobs import selective_log_softmax_with_normaliser, token_entropy
 
 
@@ -102,7 +102,8 @@ def _logits_with_shared_prompt(model: nn.Module, mb: MicroBatch) -> list[tuple[t
 
 def active_dropout(model: nn.Module) -> bool:
     """Whether a forward of ``model`` now drops activations: a dropout layer with ``p > 0`` in train mode (the
-    policy's own dropout is zeroed at load, ``lit_grpo.models.disable_dropout``; LoRA's ``lora.dropout`` is not)."""
+    policy's own dropout is zeroed at load, ``lit_grpo.models.loading.disable_dropout``; LoRA's ``lora.dropout`` is
+    not)."""
     return any(isinstance(m, _DropoutNd) and m.training and m.p > 0 for m in model.modules())
 
 

@@ -1,10 +1,12 @@
 """The metrics of one training step: what ``GRPOModule`` logs after each rollout batch (no Lightning).
 
 The step keeps its statistics on the device while it runs (0-d float64 tensors: sums, counts and extrema, merged
-over micro-batches by :func:`lit_grpo.stat_reduction.merge_stats`). At its end :func:`step_statistics` names one
-rank's statistics for the reduction over ranks (``lit_grpo.distributed.reduce_stats``, one host transfer), and
+over micro-batches by :func:`lit_grpo.training.stat_reduction.merge_stats`). At its end :func:`step_statistics` names
+one
+rank's statistics for the reduction over ranks (``lit_grpo.training.stat_reduction.reduce_stats``, one host transfer),
+and
 :func:`step_metrics` turns the reduced numbers into the logged metrics, so that they mean what they mean in one
-process. How every statistic merges, on every axis, is the one rule of :mod:`lit_grpo.stat_reduction`.
+process. How every statistic merges, on every axis, is the one rule of :mod:`lit_grpo.training.stat_reduction`.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from typing import Any
 
 import torch
 
-from lit_grpo.batch import RolloutBatch
-from lit_grpo.flops import model_flops_utilisation, update_flops
+from lit_grpo.core.batch import RolloutBatch
 from lit_grpo.math.tv import logprob_gap, tv_estimate
-from lit_grpo.stat_reduction import ROLLOUT_PREFIX, iteration_key, over_iterations
+from lit_grpo.training.flops import model_flops_utilisation, update_flops
+from lit_grpo.training.stat_reduction import ROLLOUT_PREFIX, iteration_key, over_iterations
 
 #: step metrics that only some steps measure: ``train/logp_gap_synced``, at the steps whose batch was sampled by the
-#: policy's current weights (staleness 0). ``GRPOModule`` logs them with ``lit_grpo.measured_metrics.log_measured``,
+#: policy's current weights (staleness 0). ``GRPOModule`` logs them with
+# ``lit_grpo.training.measured_metrics.log_measured``,
 #: so that the loggers get them at those steps only, never a stale value at the others.
 MEASURED_AT_SOME_STEPS = ("train/logp_gap_synced",
                           # the first-push check (lit_grpo.data.sampler_check): the first batch of pushed weights only
@@ -31,7 +34,8 @@ MEASURED_AT_SOME_STEPS = ("train/logp_gap_synced",
 
 @dataclass(frozen=True)
 class UpdateCost:
-    """What ``train/update_flops`` and ``train/mfu`` need besides the step's tokens and time (``lit_grpo.flops``).
+    """What ``train/update_flops`` and ``train/mfu`` need besides the step's tokens and time
+    (``lit_grpo.training.flops``).
 
     Args:
         parameters: N, the policy's parameter count, unsharded.
@@ -39,7 +43,7 @@ class UpdateCost:
             score pi_ref for this batch): it counts where it ran.
         extra_no_grad_passes: other no-grad passes over the batch (the TV-after-update monitor's).
         devices: the ranks that ran the update (MFU is per device).
-        peak_flops: one device's peak FLOP/s (``lit_grpo.flops.device_peak_flops``); None: no MFU is logged.
+        peak_flops: one device's peak FLOP/s (``lit_grpo.training.flops.device_peak_flops``); None: no MFU is logged.
     """
 
     parameters: int
@@ -152,7 +156,7 @@ def grad_norm_metrics(values: list[float]) -> dict[str, float]:
 
 
 def flops_metrics(tokens: float, iterations: int, update_seconds: float, cost: UpdateCost) -> dict[str, float]:
-    """``train/update_flops``: the update's model FLOPs over all ranks (``lit_grpo.flops``: 6 N per token for
+    """``train/update_flops``: the update's model FLOPs over all ranks (``lit_grpo.training.flops``: 6 N per token for
     each policy forward + backward, 2 N for the reference's and the TV-after-update no-grad passes), and
     ``train/mfu``, achieved FLOP/s per device over the peak, when a peak is known."""
     flops = update_flops(cost.parameters, tokens, iterations, reference_pass=cost.reference_pass,

@@ -9,11 +9,11 @@ Aliases:
   seed (for tests and benchmarks of the machinery; it knows nothing).
 - ``arith-tiny-sft``: a 4-layer Llama (~0.27M parameters, character tokenizer) given a label-smoothed supervised
   warm-start on the synthetic task ``synthetic:add_2digit``: it can solve the task but samples the right answer
-  only ~20 % of the time, so GRPO has room to improve it on a CPU in minutes (see ``lit_grpo.warm_start``);
+  only ~20 % of the time, so GRPO has room to improve it on a CPU in minutes (see ``lit_grpo.training.warm_start``);
   trained on first use (one thread, seeded, ~2-3 minutes) and cached under ``$LIT_GRPO_CACHE``.
 
 Each alias is named in :data:`ALIAS_LOADERS` by the import path of its loader, resolved when the alias is asked
-for. A recipe that builds its model by training (``lit_grpo.warm_start``) uses this module (the tokenizer, the
+for. A recipe that builds its model by training (``lit_grpo.training.warm_start``) uses this module (the tokenizer, the
 cache folder), so it sits above it: this module never imports it, and the import graph has no circle.
 
 Anything else is passed to ``from_pretrained``: a local directory or a Hub id such as
@@ -42,10 +42,10 @@ from transformers import (
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: alias -> ``module:function`` of its loader, called with the torch dtype, returning ``(model, tokenizer)``
 ALIAS_LOADERS: dict[str, str] = {
-    "smollm2-135m-instruct": "lit_grpo.models:load_smollm2",
-    "tiny-random-llama": "lit_grpo.models:load_tiny_random_llama",
+    "smollm2-135m-instruct": "lit_grpo.models.loading:load_smollm2",
+    "tiny-random-llama": "lit_grpo.models.loading:load_tiny_random_llama",
     # small Llama warm-started on synthetic:add_2digit, trained on first use
-    "arith-tiny-sft": "lit_grpo.warm_start:load_arith_tiny_sft",
+    "arith-tiny-sft": "lit_grpo.training.warm_start:load_arith_tiny_sft",
 }
 ALIASES = tuple(ALIAS_LOADERS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -164,7 +164,7 @@ def load_model_and_tokenizer(name: str, dtype: str = "float32") -> tuple[PreTrai
 
 def pad_token_id(tokenizer) -> int:  # noqa: ANN001 (a Hugging Face tokenizer)
     """The id that pads ``tokenizer``'s sequences: its pad token's, or for a tokenizer without one (GPT-2, Llama 3)
-    its eos token's, as TRL and vLLM pad. Padding is masked by length everywhere (``lit_grpo.batch.left_pad``,
+    its eos token's, as TRL and vLLM pad. Padding is masked by length everywhere (``lit_grpo.core.batch.left_pad``,
     ``lit_grpo.data.rollout.pad_rollouts``), so the id only has to be a valid token. The tokenizer is not changed."""
     for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if candidate is not None:

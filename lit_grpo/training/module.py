@@ -2,7 +2,7 @@
 
 One rollout batch -> ``iterations_per_batch`` (the paper's i) optimizer steps; each step runs every
 micro-batch forward and backward, clips gradients and steps AdamW. The math lives in ``lit_grpo.math``; what the
-step logs in ``lit_grpo.step_metrics``, and how its statistics merge in ``lit_grpo.stat_reduction``.
+step logs in ``lit_grpo.training.step_metrics``, and how its statistics merge in ``lit_grpo.training.stat_reduction``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import lightning as L
 import numpy as np
 import torch
 
-from lit_grpo.batch import MicroBatch, RolloutBatch
-from lit_grpo.distributed import (
+from lit_grpo.core.batch import MicroBatch, RolloutBatch
+from lit_grpo.core.distributed import (
     all_gather_objects,
     clip_grad_norm,
     everyone,
@@ -27,12 +27,10 @@ from lit_grpo.distributed import (
     gradient_sync_paused,
     is_sharded,
     rank_and_world,
-    reduce_stats,
     sum_over_ranks,
 )
-from lit_grpo.flops import device_peak_flops, parameter_count, processed_tokens
-from lit_grpo.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_model_of
-from lit_grpo.losses import LossOptions, build_loss, check_loss_output
+from lit_grpo.core.option_groups import as_group, plain
+from lit_grpo.core.scoring import active_dropout, completion_logprobs, dropout_off, policy_logprobs
 from lit_grpo.math.aggregation import (
     AGGREGATION_MODES,
     token_weights,
@@ -40,15 +38,16 @@ from lit_grpo.math.aggregation import (
     zero_variance_masked_weights,
 )
 from lit_grpo.math.tv import tv_estimate
-from lit_grpo.measured_metrics import log_measured
-from lit_grpo.model_copies import frozen_copy
-from lit_grpo.models import disable_dropout, load_model_and_tokenizer
-from lit_grpo.optim import OptimizerArgs, build_optimizer
-from lit_grpo.option_groups import as_group, plain
-from lit_grpo.precision import check_trainer_precision, check_weights_dtype
-from lit_grpo.scoring import active_dropout, completion_logprobs, dropout_off, policy_logprobs
-from lit_grpo.stat_reduction import merge_stats
-from lit_grpo.step_metrics import (
+from lit_grpo.models.copies import frozen_copy
+from lit_grpo.models.loading import disable_dropout, load_model_and_tokenizer
+from lit_grpo.models.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_model_of
+from lit_grpo.training.flops import device_peak_flops, parameter_count, processed_tokens
+from lit_grpo.training.losses import LossOptions, build_loss, check_loss_output
+from lit_grpo.training.measured_metrics import log_measured
+from lit_grpo.training.optim import OptimizerArgs, build_optimizer
+from lit_grpo.training.precision import check_trainer_precision, check_weights_dtype
+from lit_grpo.training.stat_reduction import merge_stats, reduce_stats
+from lit_grpo.training.step_metrics import (
     MEASURED_AT_SOME_STEPS,
     UpdateCost,
     first_iteration_stats,
@@ -57,7 +56,7 @@ from lit_grpo.step_metrics import (
     step_statistics,
     wait_for_device,
 )
-from lit_grpo.trainer_knobs import trainer_knob_error
+from lit_grpo.training.trainer_knobs import trainer_knob_error
 
 
 class GRPOModule(L.LightningModule):
@@ -78,14 +77,14 @@ class GRPOModule(L.LightningModule):
         log_completions_every_n_steps: write one sampled completion per group, with its reward, to TensorBoard
             as text every N training steps (None: never).
         optimizer: AdamW and its schedule (``lr``, ``weight_decay``, ``betas``, ``warmup_steps``, ``schedule``).
-        lora: train LoRA adapters (``r``, ``alpha``, ``dropout``, ``target_modules``; ``lit_grpo.lora.LoraArgs``)
+        lora: train LoRA adapters (``r``, ``alpha``, ``dropout``, ``target_modules``; ``lit_grpo.models.lora.LoraArgs``)
             instead of every weight; None: full fine-tuning. With LoRA no reference copy is made: pi_ref is the
             policy with its adapter switched off, and the optimizer holds the adapters only.
         loss: the policy loss, ``grpo`` (eq. 6/7, the default), ``gspo`` (sequence-level ratio), ``cispo``
             (clipped stop-gradient weight; both ``lit_grpo.math``), one of the REC / RED / REP family of
             group-relative REINFORCE (``rec_oneside_nois``, ``rec_oneside_is``, ``rec_twoside_is``, ``rec_ring``,
             ``red_drop``, ``red_weight``, ``opmd``, ``asymre``; see ``lit_grpo.math.rec``), or your own as
-            ``package.module:function`` (the contract: ``lit_grpo.losses``).
+            ``package.module:function`` (the contract: ``lit_grpo.training.losses``).
         loss_options: the losses' options, one section per loss (``loss_options.grpo.eps_low``,
             ``loss_options.rec_ring.ring_eps_low``, ...; ``loss_options.custom`` for your own loss); only the
             section of ``loss`` may differ from its defaults.
@@ -93,8 +92,8 @@ class GRPOModule(L.LightningModule):
             no-grad pass over the batch (Theorem 1 monitor, ``tv/pi_alpha``); off: no extra pass, and
             ``tv/pi_alpha`` is measured at the last iteration's forward, before its optimizer step.
         peak_flops: one device's peak FLOP/s, the denominator of ``train/mfu`` (model FLOP utilisation of the
-            update, see ``lit_grpo.flops``). None: the bf16 dense peak of the CUDA device when
-            ``lit_grpo.flops.PEAK_BF16_FLOPS`` knows it; on a CPU or an unknown device no MFU is logged.
+            update, see ``lit_grpo.training.flops``). None: the bf16 dense peak of the CUDA device when
+            ``lit_grpo.training.flops.PEAK_BF16_FLOPS`` knows it; on a CPU or an unknown device no MFU is logged.
     """
 
     def __init__(
@@ -153,7 +152,8 @@ class GRPOModule(L.LightningModule):
         if self.lora_args is not None:  # after disable_dropout, which would also zero the adapters' own dropout
             self.policy = apply_lora(self.policy, self.lora_args)
         # from_pretrained returns eval mode; with dropout off the two modes compute the same (LoRA's own dropout
-        # stays on in train mode, for the gradient pass only: every scoring pass turns it off, lit_grpo.scoring)
+        # stays on in train mode, for the gradient pass only: every scoring pass turns it off,
+        # lit_grpo.core.scoring)
         self.policy.train()
         # pi_ref is made on first use (`configure_model` under a trainer, else the first access of `reference`),
         # so that on an accelerator it is copied straight there instead of doubling the policy on the host
@@ -207,7 +207,8 @@ class GRPOModule(L.LightningModule):
 
     def configure_callbacks(self) -> list:
         """None of its own: the hook Lightning calls before it checks the Trainer's automatic-optimization knobs,
-        so that ``Trainer(gradient_clip_val=...)`` is refused naming this module's (``lit_grpo.trainer_knobs``)."""
+        so that ``Trainer(gradient_clip_val=...)`` is refused naming this module's
+        (``lit_grpo.training.trainer_knobs``)."""
         t = self.trainer
         if (refused := trainer_knob_error(t.gradient_clip_val, t.accumulate_grad_batches, t.gradient_clip_algorithm)):
             raise ValueError(refused[1])
@@ -371,7 +372,7 @@ class GRPOModule(L.LightningModule):
         hp = self.hparams
         first = iteration == 0
         # with LoRA dropout: the values of the policy without dropout (pi_k at iteration 0, the ratio's numerator),
-        # the gradient of the pass with dropout (lit_grpo.scoring.policy_logprobs)
+        # the gradient of the pass with dropout (lit_grpo.core.scoring.policy_logprobs)
         logp, entropy = policy_logprobs(self.policy, mb, hp.temperature, with_entropy=hp.log_entropy and first)
         pik_logp = logp.detach() if first else pik_logp
         alpha_logp = alpha_logprobs(batch, mb, pik_logp)
@@ -406,13 +407,15 @@ class GRPOModule(L.LightningModule):
     # ---- logging --------------------------------------------------------------------------------------
     def log_step(self, batch: RolloutBatch, iteration_stats: list[dict], grad_norms: list[torch.Tensor],
                  staleness: int, update_seconds: float) -> None:
-        """Log the step's metrics (``lit_grpo.step_metrics``), reduced over ranks so that they mean what they mean
-        in one process, each as the one rule of ``lit_grpo.stat_reduction`` says. The device statistics reach the
+        """Log the step's metrics (``lit_grpo.training.step_metrics``), reduced over ranks so that they mean what they
+        mean
+        in one process, each as the one rule of ``lit_grpo.training.stat_reduction`` says. The device statistics reach
+        the
         host here, in one transfer (``reduce_stats``)."""
         hp = self.hparams
         reduced = reduce_stats(step_statistics(iteration_stats, grad_norms, batch.stats, update_seconds))
         # pi_ref's pass counts where it ran: not here when the rollout server made it
-        # LoRA dropout adds one dropout-free no-grad pass per iteration (lit_grpo.scoring.policy_logprobs)
+        # LoRA dropout adds one dropout-free no-grad pass per iteration (lit_grpo.core.scoring.policy_logprobs)
         dropout_passes = hp.iterations_per_batch if active_dropout(self.policy) else 0
         cost = UpdateCost(parameters=self.policy_parameters, reference_pass=hp.beta > 0 and not self._reference_served,
                           extra_no_grad_passes=int(hp.monitor_tv_after_update) + dropout_passes,

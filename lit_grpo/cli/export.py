@@ -6,12 +6,13 @@ The directory holds the policy's weights (safetensors), ``config.json`` and the 
 is. The reference model and the optimizer state stay behind. A LoRA policy (``model.lora``) is written merged (base
 plus adapter, a plain model) by default, or with ``--adapter-only`` as its adapter alone in peft's format
 (``adapter_config.json``, ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, OUT_DIR)``); after stage
-swaps that adapter stacks the merged ones (``lit_grpo.lora.cumulative_adapter``), so it applies to the starting base.
+swaps that adapter stacks the merged ones (``lit_grpo.models.lora.cumulative_adapter``), so it applies to the starting
+base.
 ``CKPT`` is a ``.ckpt`` file or a sharded checkpoint directory written by ``ModelParallelStrategy`` (see
-:mod:`lit_grpo.checkpoints`).
+:mod:`lit_grpo.core.checkpoints`).
 
 vLLM (``data.engine: vllm``, ``vllm serve``) loads a Hub id or a model directory, not lit_grpo's aliases, which are
-built in memory or converted on first use (:mod:`lit_grpo.models`); ``--model ALIAS`` writes the alias's weights
+built in memory or converted on first use (:mod:`lit_grpo.models.loading`); ``--model ALIAS`` writes the alias's weights
 as such a directory. Its ``generation_config.json`` holds the special token ids and no sampling values
 (``temperature``, ``top_k``, ...), which vLLM would take as its default sampling settings.
 
@@ -43,12 +44,12 @@ def load_policy_from_checkpoint(checkpoint: str | Path):  # noqa: ANN201 - (mode
     """The policy of a GRPOModule checkpoint as a Hugging Face model with its tokenizer.
 
     The model and tokenizer are rebuilt from the checkpoint's ``hyper_parameters`` (``model_name``, ``dtype``)
-    with :func:`lit_grpo.models.load_model_and_tokenizer` (a peft model with its LoRA adapter and merge log when
+    with :func:`lit_grpo.models.loading.load_model_and_tokenizer` (a peft model with its LoRA adapter and merge log when
     ``lora`` is set), then given the checkpoint's policy weights. Raises
     :class:`CheckpointError` (a ``ValueError``) naming the file when it cannot be read or does not fit.
     """
-    from lit_grpo.checkpoints import Checkpoint, CheckpointError
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.core.checkpoints import Checkpoint, CheckpointError
+    from lit_grpo.models.loading import load_model_and_tokenizer
 
     ckpt = Checkpoint(checkpoint)
     hp = ckpt.hyper_parameters
@@ -61,8 +62,8 @@ def load_policy_from_checkpoint(checkpoint: str | Path):  # noqa: ANN201 - (mode
         raise CheckpointError(f"checkpoint {ckpt.path} holds no '{POLICY_PREFIX}*' tensors: no policy to export")
     model, tokenizer = load_model_and_tokenizer(model_name, hp.get("dtype", "float32"))
     if hp.get("lora") is not None:
-        from lit_grpo.lora import LoraArgs, apply_lora, merge_log
-        from lit_grpo.option_groups import as_group
+        from lit_grpo.core.option_groups import as_group
+        from lit_grpo.models.lora import LoraArgs, apply_lora, merge_log
 
         model = apply_lora(model, as_group(LoraArgs, hp["lora"], "lora"))
         merge_log(model).load_state_dict(ckpt.meta.get("lora_merge_log", {"entries": []}))
@@ -80,7 +81,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, adapter_only:
     """Write the policy of a GRPOModule checkpoint to ``out_dir`` as a Hugging Face model directory (see
     :func:`load_policy_from_checkpoint`); a LoRA policy merged, or with ``adapter_only`` its adapter alone in
     peft's format (stacked with the merges of its stage swaps, so that it applies to the starting base)."""
-    from lit_grpo.lora import is_lora, merge_adapter_into_base, save_adapter
+    from lit_grpo.models.lora import is_lora, merge_adapter_into_base, save_adapter
 
     model, tokenizer = load_policy_from_checkpoint(checkpoint)
     lora = is_lora(model)
@@ -106,15 +107,15 @@ def neutral_generation_config(model: nn.Module, tokenizer) -> Any:  # noqa: ANN0
     (vLLM does) then samples from the plain softmax unless a request says otherwise."""
     from transformers import GenerationConfig
 
-    from lit_grpo.models import eos_token_ids, pad_token_id
+    from lit_grpo.models.loading import eos_token_ids, pad_token_id
 
     return GenerationConfig(bos_token_id=getattr(tokenizer, "bos_token_id", None),
                             eos_token_id=eos_token_ids(tokenizer, model), pad_token_id=pad_token_id(tokenizer))
 
 
 def check_alias(name: str) -> None:
-    """Refuse a ``--model`` that is not one of :data:`lit_grpo.models.ALIASES` in one line."""
-    from lit_grpo.models import ALIASES
+    """Refuse a ``--model`` that is not one of :data:`lit_grpo.models.loading.ALIASES` in one line."""
+    from lit_grpo.models.loading import ALIASES
 
     if name not in ALIASES:
         raise ValueError(f"--model {name!r} is not a model alias; expected one of {', '.join(ALIASES)} (a Hub id or "
@@ -127,7 +128,7 @@ def export_alias(name: str, out_dir: str | Path) -> Path:
     ``from_pretrained``, ``vllm.LLM`` and ``vllm serve`` load. An alias built on first use (``arith-tiny-sft``) is
     built now."""
     check_alias(name)
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(name, "float32")
     model.generation_config = neutral_generation_config(model, tokenizer)

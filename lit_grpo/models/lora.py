@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_grpo.distributed import all_gather_objects, is_fsdp1, strip_wrapper_prefixes
+from lit_grpo.core.distributed import all_gather_objects, is_fsdp1, strip_wrapper_prefixes
 
 ADAPTER = "default"  # peft's name of the one adapter a policy carries
 PEFT_PREFIX = "base_model.model."  # what peft puts before the plain model's names
@@ -57,7 +57,7 @@ class LoraArgs:
         alpha: the scale's numerator: the update is ``(alpha / r) * B @ A``.
         dropout: dropout on the adapter's input in the gradient pass (0: none; the policy's own dropout stays off).
             Every scoring pass runs without it (pi_k, the TV monitors, pi_ref, the samplers), and the loss gets the
-            dropout-free values with the dropout pass's gradient (``lit_grpo.scoring.policy_logprobs``), so the
+            dropout-free values with the dropout pass's gradient (``lit_grpo.core.scoring.policy_logprobs``), so the
             ratio pi / alpha stays exactly 1 at v = 1, i = 1; it costs one more no-grad forward per micro-batch.
         target_modules: the module names (last part, e.g. ``q_proj``) that get an adapter; None: every linear
             projection of attention and MLP found in the model (not the embeddings nor ``lm_head``).
@@ -403,15 +403,15 @@ class MergeLog:
 class AdapterUpdate:
     """One LoRA push (``model.lora``): what a sampler holding the same base and a LoRA adapter of the same ``spec``
     needs to sample from the policy. The sampler applies ``merges`` to its base in order (each one the adapter a
-    ``RefModelSwap`` merged into the trainer's base, with ``lit_grpo.lora.merge_adapter_into_base``), checks its
+    ``RefModelSwap`` merged into the trainer's base, with ``lit_grpo.models.lora.merge_adapter_into_base``), checks its
     base against ``base_hash`` when it is given (sent at the first push of a fit and with every merge), then loads
     ``adapter``. Tensors travel in the dtype of a full push (the policy's), under peft's saved names.
 
     Attributes:
-        spec: ``lit_grpo.lora.lora_spec`` of the policy (r, alpha, target modules): the adapter's structure.
+        spec: ``lit_grpo.models.lora.lora_spec`` of the policy (r, alpha, target modules): the adapter's structure.
         merges: the merged adapters the engine has not applied yet, oldest first.
         adapter: the policy's current adapter tensors.
-        base_hash: ``lit_grpo.lora.base_hash`` of the trainer's base after ``merges``, or ``None`` (not checked).
+        base_hash: ``lit_grpo.models.lora.base_hash`` of the trainer's base after ``merges``, or ``None`` (not checked).
         step: the optimizer step of the policy the adapter belongs to.
     """
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lit_grpo.core.distributed import everyone, is_distributed, rank_and_world
 from lit_grpo.data.prompts import prompt_ids
 from lit_grpo.data.rewards import RewardRunner
-from lit_grpo.distributed import everyone, is_distributed, rank_and_world
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.transformers_engine import TransformersEngine
-from lit_grpo.metrics import PassAtK
-from lit_grpo.models import eos_token_ids, pad_token_id
+from lit_grpo.evaluation.metric import PassAtK
+from lit_grpo.models.loading import eos_token_ids, pad_token_id
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
 """``python -m lit_grpo COMMAND ...``: which module runs a command, imported only once that command is chosen.
 
-``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's (:func:`lit_grpo.cli.train`; :mod:`lit_grpo.cli`
+``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's (:func:`lit_grpo.cli.lightning_cli.train`;
+:mod:`lit_grpo.cli.lightning_cli`
 imports Lightning and the training stack). ``export``, ``eval`` and ``serve`` are tools, each a module with
 ``main(argv)`` that builds its argparse parser before it imports torch, so that their ``--help`` and a bad argument
-answer without loading the training stack. :func:`main` is the one place that tells them apart: ``lit_grpo.cli``'s
+answer without loading the training stack. :func:`main` is the one place that tells them apart:
+``lit_grpo.cli.lightning_cli``'s
 ``main`` and ``run`` are this module's.
 
 A bad value ends the program with one line on stderr, ``error: <what> (<where it came from>)``, and exit status 2;
 ``LIT_GRPO_DEBUG=1`` shows the traceback instead. This module holds that convention, for the tools and for
-the training CLI (:mod:`lit_grpo.cli_errors`), and imports nothing heavy.
+the training CLI (:mod:`lit_grpo.cli.errors`), and imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from typing import Any, NoReturn
 DEBUG_ENV = "LIT_GRPO_DEBUG"
 
 #: subcommands that are not Trainer methods -> the module whose ``main(argv)`` runs them
-TOOLS: dict[str, str] = {"export": "lit_grpo.export", "eval": "lit_grpo.eval_command",
+TOOLS: dict[str, str] = {"export": "lit_grpo.cli.export", "eval": "lit_grpo.cli.eval",
                          "serve": "lit_grpo.serve.server"}
 #: every other subcommand (fit, validate, test, predict) and no subcommand at all: LightningCLI, through the
 #: ``train(args)`` of this module
-TRAINING = "lit_grpo.cli"
+TRAINING = "lit_grpo.cli.lightning_cli"
 
 
 class UsageError(Exception):

@@ -1,4 +1,4 @@
-"""Plot a run's TensorBoard scalars to a PNG: ``python -m lit_grpo.plots RUN_DIR [RUN_DIR ...] -o out.png``.
+"""Plot a run's TensorBoard scalars to a PNG: ``python -m lit_grpo.cli.plots RUN_DIR [RUN_DIR ...] -o out.png``.
 
 Each run directory is searched for event files; one panel per metric, one line per run.
 """

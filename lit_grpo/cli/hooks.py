@@ -1,4 +1,4 @@
-"""What the training CLI (:mod:`lit_grpo.cli`, :mod:`lit_grpo.cli_errors`) relies on in Lightning and
+"""What the training CLI (:mod:`lit_grpo.cli.lightning_cli`, :mod:`lit_grpo.cli.errors`) relies on in Lightning and
 jsonargparse beyond their documented API, in one place.
 
 The CLI's one-line errors (``error: <what> (<key>, <where>)``) need four things that no public hook gives, and
@@ -41,7 +41,7 @@ class HookBroken(RuntimeError):
 
     def __init__(self, hook: str, what: str) -> None:
         super().__init__(f"lit_grpo's CLI relies on {hook}, which no longer holds under {versions()}: {what} "
-                         "(see lit_grpo/cli_hooks.py)")
+                         "(see lit_grpo/cli/hooks.py)")
 
 
 def versions() -> str:

@@ -3,14 +3,14 @@ method's callbacks as config sections of their own and the links that keep one s
 
 ``validate`` and ``test`` report the ``eval`` section's Pass@k (``validate`` on ``eval.split``, ``test`` on the test
 split) and ``predict`` writes completions to a JSONL file (the ``predictions`` section): see
-:mod:`lit_grpo.cli_subcommands`. ``--optimizer`` and ``--lr_scheduler`` are not offered (the module's
+:mod:`lit_grpo.cli.subcommands`. ``--optimizer`` and ``--lr_scheduler`` are not offered (the module's
 ``model.optimizer`` group builds AdamW and its schedule); ``trainer.gradient_clip_val`` is applied as
 ``model.gradient_clip_val``; ``trainer.accumulate_grad_batches`` is refused in one line.
 
-:mod:`lit_grpo.commands` is the one entry (``python -m lit_grpo``, ``lit-grpo``, and this module's ``main`` and
+:mod:`lit_grpo.cli.commands` is the one entry (``python -m lit_grpo``, ``lit-grpo``, and this module's ``main`` and
 ``run``, which are its own): it runs ``export``, ``eval`` and ``serve`` without importing Lightning and reaches
 :func:`train` for the training subcommands. A bad value ends with one line on stderr and exit status 2; how its key
-and source are found is :mod:`lit_grpo.cli_errors`.
+and source are found is :mod:`lit_grpo.cli.errors`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import warnings
 from typing import Any
 
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
-from lit_grpo.cli_errors import OneLineErrorsCLI, report_usage_errors
-from lit_grpo.cli_hooks import build_model_last
-from lit_grpo.cli_subcommands import (
+from lit_grpo.cli.commands import DEBUG_ENV, TOOLS, UsageError, main, one_line, run
+from lit_grpo.cli.errors import OneLineErrorsCLI, report_usage_errors
+from lit_grpo.cli.hooks import build_model_last
+from lit_grpo.cli.subcommands import (
     PredictOptions,
     evaluation_rows,
     log_pass_at_k,
@@ -34,14 +35,14 @@ from lit_grpo.cli_subcommands import (
     predictions,
     write_jsonl,
 )
-from lit_grpo.commands import DEBUG_ENV, TOOLS, UsageError, main, one_line, run
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.engines.vllm_install import TRAINER_SIDE_IMPORTS, alias_refusal, vllm_problem
-from lit_grpo.module import GRPOModule
-from lit_grpo.precision import check_trainer_precision
-from lit_grpo.trainer_knobs import trainer_knob_error
+from lit_grpo.training.module import GRPOModule
+from lit_grpo.training.precision import check_trainer_precision
+from lit_grpo.training.trainer_knobs import trainer_knob_error
 
-# the entry points and the error convention are lit_grpo.commands'; re-exported for callers of lit_grpo.cli
+# the entry points and the error convention are lit_grpo.cli.commands'; re-exported for callers of
+# lit_grpo.cli.lightning_cli
 __all__ = ["DEBUG_ENV", "GRPOCLI", "TOOLS", "UsageError", "main", "one_line", "run", "train"]
 
 
@@ -112,7 +113,7 @@ class GRPOCLI(OneLineErrorsCLI):
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any):  # noqa: ANN202
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
-        if subcommand == "predict":  # its options only (lit_grpo.cli_hooks: hook 5)
+        if subcommand == "predict":  # its options only (lit_grpo.cli.hooks: hook 5)
             parser.add_class_arguments(PredictOptions, "predictions")
         return parser
 
@@ -234,7 +235,7 @@ class GRPOCLI(OneLineErrorsCLI):
             raise UsageError(f"{self.subcommand} runs in one process: set trainer.devices 1 (and trainer.num_nodes 1),"
                              f" got devices={devices!r}, num_nodes={nodes!r}", self._where("trainer.devices"))
 
-    # ---- validate / test / predict (lit_grpo.cli_subcommands) -------------------------------------------
+    # ---- validate / test / predict (lit_grpo.cli.subcommands) -------------------------------------------
     def before_validate(self) -> None:
         """The checkpoint is read by the subcommand itself (its policy only, any layout); nothing to check."""
 

@@ -19,8 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_grpo.stat_reduction import RANKS, reduction
-
 # Prefixes that wrappers put in front of a model's own parameter names.
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
@@ -57,31 +55,6 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     work = tensor.detach().to(_collective_device(), copy=True)
     dist.all_reduce(work, op=ops[op])
     return work.to(tensor.device)
-
-
-def reduce_stats(stats: dict[str, torch.Tensor | float]) -> dict[str, torch.Tensor]:
-    """Reduce a dict of scalar statistics over ranks in three collectives (min, max, sum), each key as the one
-    rule says (:func:`lit_grpo.stat_reduction.reduction` over ``ranks``): ``*_min`` the minimum, ``*_max`` and
-    ``*_seconds`` the maximum, a rollout mean the mean (a sum of each rank's share), every other key the sum
-    (counts and sums, which merge exactly).
-
-    Values may be Python numbers or 0-d tensors on any device; the result is float64 on the host. Device values
-    come over in one transfer (:func:`stack_to_host`), so a trainer can keep its statistics on the device for a
-    whole step and pay one host sync here, instead of one per value."""
-    keys = sorted(stats)
-    values = dict(zip(keys, stack_to_host([stats[k] for k in keys]).unbind()))
-    if not is_distributed():
-        return values
-    world = dist.get_world_size()
-    ops = {k: reduction(k, RANKS) for k in keys}
-    values.update({k: values[k] / world for k in keys if ops[k] == "mean"})
-    out: dict[str, torch.Tensor] = {}
-    for op in ("min", "max", "sum"):
-        group = [k for k in keys if ops[k] == op or (op == "sum" and ops[k] == "mean")]
-        if group:
-            reduced = all_reduce(torch.stack([values[k] for k in group]), op)
-            out.update(zip(group, reduced.unbind()))
-    return out
 
 
 def everyone(flag: bool) -> bool:

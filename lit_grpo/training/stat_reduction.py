@@ -4,7 +4,7 @@ A step's statistics merge along three axes: over the micro-batches of one iterat
 over the iterations of the step (the paper's i optimizer steps, in sequence) and over ranks (side by side).
 :func:`reduction` says how, for every axis, and every place that merges statistics asks it: :func:`merge_stats`
 (micro-batches, on the device), :func:`over_iterations` (iterations, on the host) and
-:func:`lit_grpo.distributed.reduce_stats` (ranks, one collective per kind).
+:func:`reduce_stats` (ranks, one collective per kind).
 
 =====================================  ==============  ==========  ======================
 statistic's name                       micro-batches   iterations  ranks
@@ -22,7 +22,8 @@ A rollout statistic (``RolloutBatch.stats``) is one number per rank's batch, nev
 iterations: most are means over the rank's sequences, which average over ranks (every rank holds the same number
 of sequences), and the counts add. Statistics of an iteration are named with its prefix, :func:`iteration_key`.
 
-Pure Python and torch (no Lightning, no process group), so that ``lit_grpo.distributed`` can use it.
+Pure Python and torch (no Lightning); :func:`reduce_stats` uses the process-group plumbing of
+``lit_grpo.core.distributed``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
+import torch.distributed as dist
+
+from lit_grpo.core.distributed import all_reduce, is_distributed, stack_to_host
 
 MICRO_BATCHES, ITERATIONS, RANKS = "micro_batches", "iterations", "ranks"
 AXES = (MICRO_BATCHES, ITERATIONS, RANKS)
@@ -80,3 +84,30 @@ def over_iterations(values: Mapping[str, float], name: str, iterations: int) -> 
     :func:`reduction`: sums and counts add, extrema combine."""
     per_iteration = [values[iteration_key(i, name)] for i in range(iterations)]
     return _FLOAT_MERGE[reduction(name, ITERATIONS)](per_iteration)
+
+
+def reduce_stats(stats: dict[str, torch.Tensor | float]) -> dict[str, torch.Tensor]:
+    """Reduce a dict of scalar statistics over ranks in three collectives (min, max, sum), each key as the one
+    rule says (:func:`reduction` over ``ranks``): ``*_min`` the minimum, ``*_max`` and
+    ``*_seconds`` the maximum, a rollout mean the mean (a sum of each rank's share), every other key the sum
+    (counts and sums, which merge exactly).
+
+    Values may be Python numbers or 0-d tensors on any device; the result is float64 on the host. Device values
+    come over in one transfer (:func:`lit_grpo.core.distributed.stack_to_host`), so a trainer can keep its statistics
+    on the
+    device for a
+    whole step and pay one host sync here, instead of one per value."""
+    keys = sorted(stats)
+    values = dict(zip(keys, stack_to_host([stats[k] for k in keys]).unbind()))
+    if not is_distributed():
+        return values
+    world = dist.get_world_size()
+    ops = {k: reduction(k, RANKS) for k in keys}
+    values.update({k: values[k] / world for k in keys if ops[k] == "mean"})
+    out: dict[str, torch.Tensor] = {}
+    for op in ("min", "max", "sum"):
+        group = [k for k in keys if ops[k] == op or (op == "sum" and ops[k] == "mean")]
+        if group:
+            reduced = all_reduce(torch.stack([values[k] for k in group]), op)
+            out.update(zip(group, reduced.unbind()))
+    return out
