@@ -106,3 +106,21 @@ def start_script_ranks(script: str, workdir, world: int) -> list:  # noqa: ANN00
         procs.append((subprocess.Popen([sys.executable, script, str(Path(workdir) / "out")], env=env, stdout=log,
                                        stderr=subprocess.STDOUT, cwd=Path(script).parent), log))
     return procs
+
+
+def run_script_ranks(script: str, workdir, world: int, timeout_s: float) -> tuple[list, str]:  # noqa: ANN001
+    """Run :func:`start_script_ranks` to the end: all ranks, or until one fails or ``timeout_s`` passes (then the
+    rest are killed); ``(exit codes, the ranks' logs' last 3000 characters, each under a header)``."""
+    procs = start_script_ranks(script, workdir, world)
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p, _ in procs):
+            break
+        time.sleep(0.1)
+    for p, log in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        log.close()
+    logs = "\n".join(f"--- rank {r} ---\n{(Path(workdir) / f'rank{r}.log').read_text()[-3000:]}" for r in range(world))
+    return [p.returncode for p, _ in procs], logs

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -188,19 +187,10 @@ def test_the_cli_refuses_a_reward_with_the_wrong_signature_in_one_line(spec: str
 def test_a_reward_function_of_the_script_works_in_every_rank(tmp_path) -> None:
     """Each rank runs the user's script (Lightning's own DDP launch, or an external launcher), so a reward function
     defined in it is the script's own in every rank: nothing crosses a process boundary. This file is that script."""
-    from distributed_launch import start_script_ranks
+    from distributed_launch import run_script_ranks
 
-    procs = start_script_ranks(__file__, tmp_path, world=2)
-    deadline = time.monotonic() + 240
-    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for p, log in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-        log.close()
-    logs = "\n".join(f"--- rank {r} ---\n{(tmp_path / f'rank{r}.log').read_text()[-3000:]}" for r in range(2))
-    assert [p.returncode for p, _ in procs] == [0, 0], logs
+    codes, logs = run_script_ranks(__file__, tmp_path, world=2, timeout_s=240)
+    assert codes == [0, 0], logs
     for rank in range(2):
         result = json.loads((tmp_path / f"out.{rank}.json").read_text())
         # this rank's 2 prompts x 4 completions, scored by the script's function under its name in the script

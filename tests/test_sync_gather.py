@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 BUCKET_SIZES = (1, 40, 200, 10**9)
@@ -111,21 +110,9 @@ def worker(out: Path) -> None:
 
 def launch(workdir: Path, world: int = 2, timeout_s: float = 180.0) -> list[dict]:
     """Start ``world`` copies of this file as ranks; kill them all if one fails or hangs."""
-    from distributed_launch import start_script_ranks
+    from distributed_launch import run_script_ranks
 
-    procs = start_script_ranks(__file__, workdir, world)
-    deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
-        if any(p.poll() not in (None, 0) for p, _ in procs):
-            break
-        time.sleep(0.1)
-    for p, log in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-        log.close()
-    codes = [p.returncode for p, _ in procs]
-    logs = "\n".join((workdir / f"rank{r}.log").read_text()[-3000:] for r in range(world))
+    codes, logs = run_script_ranks(__file__, workdir, world, timeout_s)
     assert codes == [0] * world, f"exit codes {codes}\n{logs}"
     return [json.loads((workdir / f"out.{r}.json").read_text()) for r in range(world)]
 

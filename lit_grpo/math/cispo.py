@@ -49,16 +49,9 @@ def cispo_weight(ratio: torch.Tensor, low: float | None, high: float) -> torch.T
     return ratio.detach().clamp(min=low, max=high)
 
 
-def cispo_loss(
-    logp: torch.Tensor,
-    alpha_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    weights: torch.Tensor,
-    mask: torch.Tensor,
-    config: CISPOOptions,
-    pik_logp: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def cispo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
+               mask: torch.Tensor, config: CISPOOptions, pik_logp: torch.Tensor | None = None,
+               ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO's loss (MiniMax 2025, section 3.1, the CISPO objective):
     ``sum_t w_t [-sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A log pi(y_t) + beta * KL_k3(pi || pi_ref)]``.
 

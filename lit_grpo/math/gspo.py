@@ -57,16 +57,9 @@ def sequence_log_ratio(logp: torch.Tensor, alpha_logp: torch.Tensor, mask: torch
     return (log_ratio.sum(-1) / m.sum(-1).clamp(min=1).to(logp.dtype)).unsqueeze(-1)
 
 
-def gspo_loss(
-    logp: torch.Tensor,
-    alpha_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    weights: torch.Tensor,
-    mask: torch.Tensor,
-    config: GSPOOptions,
-    pik_logp: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gspo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
+              mask: torch.Tensor, config: GSPOOptions, pik_logp: torch.Tensor | None = None,
+              ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO's loss (Zheng et al. 2025, eq. 5): ``-sum_t w_t [f_eps(s_i, r', A_i) - beta * KL_k3(pi || pi_ref)]``
     with ``s_i`` the sequence ratio of :func:`sequence_log_ratio` (eq. 7) and ``f_eps`` eq. 6's clipped surrogate.
 

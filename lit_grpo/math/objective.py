@@ -87,16 +87,9 @@ def with_kl_penalty(per_token: torch.Tensor, logp: torch.Tensor, ref_logp: torch
     return per_token + beta * kl, kl
 
 
-def grpo_loss(
-    logp: torch.Tensor,
-    alpha_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    weights: torch.Tensor,
-    mask: torch.Tensor,
-    config: GRPOOptions,
-    pik_logp: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def grpo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
+              mask: torch.Tensor, config: GRPOOptions, pik_logp: torch.Tensor | None = None,
+              ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss to minimise, ``-sum_t w_t [f_eps(pi/alpha, r', A) - beta * KL_k3(pi || pi_ref)]`` (eq. 7; eq. 8 when
     the zero-variance mask is folded into ``weights``), and detached statistics.
 
