@@ -35,6 +35,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from worker_runs import report, run_worker
+
 ENGINES = ("transformers", "server", "vllm", "vllm-serve")
 
 
@@ -142,17 +144,15 @@ def worker(args: argparse.Namespace) -> None:
                 proc.wait(60)
     seconds = time.perf_counter() - start
     total, count = sampler_gap(model, prompts, groups, args.temperature, sequences=10**9, device=torch.device("cpu"))
-    result = {"engine": args.worker, "sampler_dtype": args.sampler_dtype, "polluted": args.polluted,
-              "temperature": args.temperature, "tokens": count, "mean_gap": total / max(count, 1),
-              "seconds": seconds}
-    print("RESULT " + json.dumps(result), flush=True)
+    report({"engine": args.worker, "sampler_dtype": args.sampler_dtype, "polluted": args.polluted,
+            "temperature": args.temperature, "tokens": count, "mean_gap": total / max(count, 1),
+            "seconds": seconds})
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
-        worker(args)
-        return
+        return worker(args)
     model = Path(args.model).expanduser()
     if args.polluted:  # a copy, so the directory others use keeps its own generation config
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -165,14 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     results = []
     for name in args.engines:
-        cmd = [sys.executable, __file__, "--worker", name, "--model", str(model), "--sampler-dtype",
+        cmd = [__file__, "--worker", name, "--model", str(model), "--sampler-dtype",
                args.sampler_dtype, "--temperature", str(args.temperature), "--threads", str(args.threads)]
         cmd += ["--polluted"] if args.polluted else []
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+        results.append(run_worker(name, cmd, env))
         r = results[-1]
         print(f"{r['engine']:<14}{r['sampler_dtype']:>10} polluted={r['polluted']!s:<6}T={r['temperature']:<5}"
               f"tokens {r['tokens']:>5}  mean gap {r['mean_gap']:.2e}  ({r['seconds']:.0f} s)", flush=True)

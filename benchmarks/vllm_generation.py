@@ -28,11 +28,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from worker_runs import report, run_worker
 
 ENGINES = ("transformers", "vllm", "vllm-eager")
 
@@ -116,30 +116,24 @@ def worker(args: argparse.Namespace) -> None:
         seconds.append(time.perf_counter() - start)
         tokens.append(sum(len(c.token_ids) for g in groups for c in g))
     median = statistics.median(seconds[1:])
-    result = {"engine": args.worker, "startup_s": startup, "first_generate_s": seconds[0],
-              "generate_s": seconds[1:], "median_generate_s": median,
-              "tokens": tokens[1:], "tokens_per_s": statistics.median(tokens[1:]) / median,
-              "logprob_gap": logprob_gap(model, prompts, groups), "threads": args.threads}
-    print("RESULT " + json.dumps(result), flush=True)
+    report({"engine": args.worker, "startup_s": startup, "first_generate_s": seconds[0],
+            "generate_s": seconds[1:], "median_generate_s": median,
+            "tokens": tokens[1:], "tokens_per_s": statistics.median(tokens[1:]) / median,
+            "logprob_gap": logprob_gap(model, prompts, groups), "threads": args.threads})
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
-        worker(args)
-        return
+        return worker(args)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     results = []
     for name in args.engines:
-        cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--prompts", str(args.prompts),
+        cmd = [__file__, "--worker", name, "--model", args.model, "--prompts", str(args.prompts),
                "--generations", str(args.generations), "--max-new-tokens", str(args.max_new_tokens),
                "--calls", str(args.calls), "--threads", str(args.threads)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+        results.append(run_worker(name, cmd, env))
     print(f"{'engine':<14}{'start-up s':>12}{'1st call s':>12}{'median s':>10}{'tokens/s':>10}{'log-prob gap':>14}")
     for r in results:
         print(f"{r['engine']:<14}{r['startup_s']:>12.1f}{r['first_generate_s']:>12.2f}{r['median_generate_s']:>10.2f}"
