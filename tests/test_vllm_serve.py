@@ -57,6 +57,14 @@ def client(server: VLLMServe, model, token: str | None = None):  # noqa: ANN001,
                         token=token or server.token)
 
 
+def pushed_client(server: VLLMServe, step: int):  # noqa: ANN201
+    """The tiny model, and a client that has pushed its weights to ``server`` as version ``step``."""
+    model, _ = tiny_vllm_llama()
+    engine = client(server, model)
+    engine.load_weights(model.named_parameters(), step=step)
+    return model, engine
+
+
 def unfused_digests(model) -> dict[str, str]:  # noqa: ANN001
     """The trainer's digests of the parameters vLLM keeps under the same name and layout. Its attention and MLP
     input projections are fused, on a CPU its linear layers (lm_head included) are repacked for its kernels, and
@@ -104,9 +112,7 @@ def test_pushes_without_the_token_are_refused_and_change_no_weight(served):
     from lit_grpo.wire.protocol import ServerError
 
     server, _ = served
-    model, _ = tiny_vllm_llama()
-    engine = client(server, model)
-    engine.load_weights(model.named_parameters(), step=65)
+    model, engine = pushed_client(server, step=65)
     # no push group from here on, as on a fresh server: the refused requests below find none to use
     assert server.post_status("/shutdown_weight_transfer_engine")[0] == 200
     before = engine.weight_checksums()[server.url]
@@ -151,9 +157,7 @@ def test_pushes_without_the_token_are_refused_and_change_no_weight(served):
 
 def test_pause_holds_requests_until_resume(served):
     server, _ = served
-    model, _ = tiny_vllm_llama()
-    engine = client(server, model)
-    engine.load_weights(model.named_parameters(), step=3)
+    model, engine = pushed_client(server, step=3)
     assert server.post("/pause?mode=wait") == {"status": "paused"}
     assert server.get("/is_paused") == {"is_paused": True}
     done: list[float] = []
