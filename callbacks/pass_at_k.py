@@ -42,11 +42,8 @@ class GSM8KPassAtK(Callback):
         num_samples: int = 50,
         ks: Sequence[int] = (1,),
         num_questions: int | None = None,
-        dataset: str = "bundled",
-        split: str = "test",
-        max_new_tokens: int = 200,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
+        dataset: str = "bundled", split: str = "test",
+        max_new_tokens: int = 200, temperature: float = 1.0, top_p: float = 1.0,  # the sampling of each question
         questions_per_chunk: int = 4,
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         at_start: bool = False,
