@@ -29,6 +29,7 @@ from lit_grpo.models.lora import (
     load_adapter_state,
     swap_reference_by_merge,
 )
+from lit_grpo.wire.protocol import ServerError
 
 PROMPTS = [[1, 40, 41, 42, 43], [1, 60, 61], [1, 70, 71, 72]]
 SAMPLING = SamplingConfig(max_new_tokens=16, temperature=1.0)
@@ -132,7 +133,7 @@ def test_colocated_vllm_samples_from_each_pushed_adapter_and_follows_a_merge(tmp
         print(f"push 2: gap to the new adapter {gap:.2e}, to the previous one {old_gap:.2e}")
         assert gap <= MAX_MEAN_GAP and old_gap > MIN_OTHER_GAP
         assert engine.loaded_adapter_ids() == {2}
-        assert [p.name for p in engine.adapters.root.iterdir()] == ["v2"]
+        assert [p.name for p in engine.adapters.versions.root.iterdir()] == ["v2"]
 
         # a stage swap merges the adapter into the trainer's base; the next push carries the merge, vLLM's base
         # follows it (a stale base with the new adapter would be another distribution)
@@ -147,7 +148,7 @@ def test_colocated_vllm_samples_from_each_pushed_adapter_and_follows_a_merge(tmp
         print(f"after a merge: gap to the policy {gap:.2e}, to the stale base with the new adapter {stale_gap:.2e}")
         assert gap <= MAX_MEAN_GAP and stale_gap > MIN_OTHER_GAP
         assert engine.loaded_adapter_ids() == {3}
-        assert [p.name for p in engine.adapters.root.iterdir()] == ["v3"]
+        assert [p.name for p in engine.adapters.versions.root.iterdir()] == ["v3"]
     finally:
         engine.close()
     assert lora_root.is_dir() and not any(lora_root.iterdir())  # the versions' directory went with the engine
@@ -161,7 +162,7 @@ def test_a_lora_policy_starts_vllm_with_lora_enabled_and_a_directory_it_removes(
     engine = VLLMEngine("org/model", policy=lambda: policy, lora_dir=str(tmp_path / "adapters"))
     kwargs = only_llm().kwargs
     assert (kwargs["enable_lora"], kwargs["max_lora_rank"], kwargs["max_loras"]) == (True, 8, 1)  # r = 4 -> 8
-    assert engine.adapters.root.parent == tmp_path / "adapters" and engine.lora_request() is None
+    assert engine.adapters.versions.root.parent == tmp_path / "adapters" and engine.lora_request() is None
     engine.close()
     assert not any((tmp_path / "adapters").iterdir())
     with pytest.raises(ValueError, match="set by VLLMEngine"):
@@ -247,7 +248,7 @@ def test_colocated_pushes_load_a_new_version_unload_the_old_and_reload_the_base_
     base = {name for name, p in tiny_vllm_llama()[0].named_parameters()}
     assert len(llm.reloads) == 1 and set(llm.reloads[0]) == base  # the plain model's names, no adapter tensors
     assert engine.merges_applied == 1 and engine.synced_step == 3 and engine.loaded_adapter_ids() == {3}
-    assert [p.name for p in engine.adapters.root.iterdir()] == ["v3"]
+    assert [p.name for p in engine.adapters.versions.root.iterdir()] == ["v3"]
 
 
 def test_a_push_to_a_vllm_engine_without_lora_is_refused():
@@ -269,7 +270,6 @@ def test_vllm_serve_loads_each_adapter_by_path_keeps_k_plus_1_and_follows_a_merg
 
     from lit_grpo.engines.remote.client import ServerEngine
     from lit_grpo.engines.remote.vllm_client import ADAPTER_PREFIX, load_lora
-    from lit_grpo.wire.protocol import ServerError
 
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # the server's runtime /v1/load_lora_adapter
     model_dir = save_model(tmp_path / "tiny")
@@ -380,11 +380,13 @@ def test_serve_adapters_load_by_path_keep_the_newest_and_say_how_to_start_a_refu
     routes = FakeLoraRoutes()
     try:
         server = ServerConnection(routes.url, None, 10.0)
-        adapters = ServeAdapters(str(tmp_path / "shared"), keep=2, rank=0)
+        reloads = []
+        adapters = ServeAdapters(str(tmp_path / "shared"), keep=2, rank=0, reload_base=reloads.append)
         policy = lora_policy()
         for step in (3, 4, 5):
             update = adapter_update(policy, 0, with_hash=False, step=step)
-            assert adapters.push([server], update, step) is None
+            adapters.push([server], update, step)
+        assert reloads == [3]  # the server's own checkpoint is replaced by the trainer's base at the first push only
         # the earlier fit's adapter went at the first push; the newest two stay, each loaded from its own directory
         assert sorted(routes.loaded) == ["leftover", "lit_grpo-v2", "lit_grpo-v3"]
         assert all((Path(routes.loaded[f"lit_grpo-v{k}"]) / "adapter_model.safetensors").is_file() for k in (2, 3))
@@ -394,12 +396,14 @@ def test_serve_adapters_load_by_path_keep_the_newest_and_say_how_to_start_a_refu
         assert response == {"choices": [{"index": 0, "weight_versions": [{"version": "5"}]}]}
 
         routes.refuse = True
-        error = adapters.push([server], adapter_update(policy, 0, with_hash=False, step=6), 6)
+        with pytest.raises(ServerError) as refused:
+            adapters.push([server], adapter_update(policy, 0, with_hash=False, step=6), 6)
+        error = str(refused.value)
         assert "refused the adapter lit_grpo-v4" in error and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in error
         assert "LoRA is not enabled" in error
         assert adapters.current() == ("lit_grpo-v3", "5")  # a refused version is not named by requests
         # another rank names the same versions without writing them
-        other = ServeAdapters(str(tmp_path / "shared"), keep=2, rank=1)
+        other = ServeAdapters(str(tmp_path / "shared"), keep=2, rank=1, reload_base=reloads.append)
         other.push([server], adapter_update(policy, 0, with_hash=False, step=3), 3)
         assert other.current() == ("lit_grpo-v1", "3") and not other.versions.current.path.exists()
         # at close rank 0 removes the directory it made; the other rank's root is lora_dir itself, which stays
@@ -417,7 +421,7 @@ def test_vllm_serve_with_lora_needs_a_shared_lora_dir():
     from lit_grpo.engines.remote.vllm_client import ServeAdapters
 
     with pytest.raises(ValueError, match="lora_dir"):
-        ServeAdapters(None, keep=2, rank=0)
+        ServeAdapters(None, keep=2, rank=0, reload_base=lambda step: None)
 
 
 @pytest.mark.vllm

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lit_grpo.core.distributed import close_at_exit
+from lit_grpo.engines.adapter_versions import AdapterVersion, AdapterVersions, VersionedAdapters
 from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
 from lit_grpo.engines.sampling_fields import vllm_sampling_fields
 from lit_grpo.engines.vllm_cpu import cpu_llm_defaults
@@ -274,11 +275,9 @@ class VLLMEngine(RolloutEngine):
         self._asleep = False
         options: dict[str, Any] = dict(llm_kwargs)
         self._policy = policy
-        #: how many of the policy's merges vLLM's base holds: 0, since it loads ``model_name`` from disk (a resumed
-        #: run's first push therefore carries all the merges so far, and the base follows them)
-        self.merges_applied = 0
         self.lora_spec: dict[str, Any] | None = None
-        self.adapters = None  # lit_grpo.engines.vllm_lora.AdapterVersions, with a LoRA policy
+        #: with a LoRA policy: its versions in vLLM and the push's sequence (``VersionedAdapters``)
+        self.adapters: VersionedAdapters | None = None
         if policy is not None:
             options.update(self._setup_lora(policy(), lora_dir, options))
         if isinstance(tokenizer, str):
@@ -307,7 +306,7 @@ class VLLMEngine(RolloutEngine):
     def _setup_lora(self, policy: nn.Module, lora_dir: str | None, options: dict[str, Any]) -> dict[str, Any]:
         """For a LoRA policy: the adapters' spec, a fresh directory for their versions, and the ``LLM`` arguments
         that enable them (``lora_llm_kwargs``); nothing for another policy."""
-        from lit_grpo.engines.vllm_lora import AdapterVersions, lora_llm_kwargs
+        from lit_grpo.engines.vllm_lora import lora_llm_kwargs
         from lit_grpo.models.lora import is_lora, lora_spec
 
         if not is_lora(policy):
@@ -325,7 +324,7 @@ class VLLMEngine(RolloutEngine):
             Path(lora_dir).expanduser().mkdir(parents=True, exist_ok=True)
         root = tempfile.mkdtemp(prefix="lit_grpo_vllm_lora_",
                                 dir=None if lora_dir is None else str(Path(lora_dir).expanduser()))
-        self.adapters = AdapterVersions(root, COLOCATED_KEPT_VERSIONS)
+        self.adapters = VersionedAdapters(AdapterVersions(root, COLOCATED_KEPT_VERSIONS), ColocatedAdapterCalls(self))
         return {**wanted, **{k: v for k, v in options.items() if k == "max_lora_rank"}}
 
     def close(self) -> None:
@@ -337,7 +336,7 @@ class VLLMEngine(RolloutEngine):
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         if self.adapters is not None:
-            self.adapters.remove()
+            self.adapters.close()
 
     # ---- memory -------------------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -413,19 +412,22 @@ class VLLMEngine(RolloutEngine):
         self.synced_step = int(step)
 
     # ---- LoRA adapters (model.lora) --------------------------------------------------------------------
+    @property
+    def merges_applied(self) -> int:
+        """How many of the policy's merges vLLM's base holds (``VersionedAdapters.merges_applied``): 0 until a push
+        carried merges, since vLLM loads ``model_name`` from disk (a resumed run's first push therefore carries all
+        the merges so far, and the base follows them)."""
+        return 0 if self.adapters is None else self.adapters.merges_applied
+
     def lora_request(self) -> Any:
         """vLLM's ``LoRARequest`` naming the newest adapter version, or ``None`` (no LoRA, or no push yet: the
         base alone, which is the policy while its adapter has B = 0)."""
         version = None if self.adapters is None else self.adapters.current
-        if version is None:
-            return None
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(version.name, version.id, str(version.path))
+        return None if version is None else lora_request(version)
 
     @torch.no_grad()
     def load_adapter(self, update: AdapterUpdate, step: int) -> None:
-        """A LoRA push: the merges vLLM's base lacks, then the adapter as a new version.
+        """A LoRA push, through the sequence both vLLM kinds share (``VersionedAdapters.push``):
 
         - Merges: vLLM's weights are fused and cannot be read back, so its base follows the trainer's by a reload
           of the trainer's merged base (``load_weights`` with ``base_named_tensors`` of the policy, which after the
@@ -445,26 +447,9 @@ class VLLMEngine(RolloutEngine):
                              f", targets {self.lora_spec['target_modules']}, the push has r={update.spec['r']}, "
                              f"alpha={update.spec['alpha']}, targets {update.spec['target_modules']}: model.lora "
                              "changed; rebuild the engine")
-        if update.merges:
-            from lit_grpo.engines.vllm_lora import base_named_tensors
-
-            assert self._policy is not None  # set whenever adapters are
-            self.load_weights(base_named_tensors(self._policy()), step)
-            self.merges_applied += len(update.merges)
-        version = self.adapters.add(update.spec, update.adapter)
         self.wake_up()
         try:
-            try:
-                loaded = self.llm.llm_engine.add_lora(self.lora_request())
-            except Exception:
-                self.adapters.drop(version)  # the previous version stays the one requests name
-                raise
-            if not loaded:
-                self.adapters.drop(version)
-                raise RuntimeError(f"vLLM did not load the adapter {version.name} from {version.path}")
-            for old in self.adapters.stale():
-                self.llm.llm_engine.remove_lora(old.id)  # False when a base reload already dropped it
-                self.adapters.drop(old)
+            self.adapters.push(update, step)
         finally:
             self.sleep()
         self.synced_step = int(step)
@@ -483,3 +468,32 @@ class VLLMEngine(RolloutEngine):
         Checkpoints therefore cannot restore a lagging engine; an exact resume while alpha lags the policy
         (v > 1) needs the transformers engine."""
         return None
+
+
+def lora_request(version: AdapterVersion) -> Any:
+    """vLLM's ``LoRARequest`` for an adapter version: its name, its id (vLLM's cache key) and its directory."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(version.name, version.id, str(version.path))
+
+
+class ColocatedAdapterCalls:
+    """The colocated engine's ``AdapterTransport``: the steps of an adapter push as calls on its in-process vLLM
+    (awake: ``VLLMEngine.load_adapter`` wakes it for the whole push)."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.engine = engine
+
+    def reload_base(self, step: int) -> None:
+        """The trainer's merged base through the full-weight path (``load_weights``)."""
+        from lit_grpo.engines.vllm_lora import base_named_tensors
+
+        assert self.engine._policy is not None  # set whenever adapters are
+        self.engine.load_weights(base_named_tensors(self.engine._policy()), step)
+
+    def load(self, version: AdapterVersion) -> None:
+        if not self.engine.llm.llm_engine.add_lora(lora_request(version)):
+            raise RuntimeError(f"vLLM did not load the adapter {version.name} from {version.path}")
+
+    def unload(self, version: AdapterVersion) -> None:
+        self.engine.llm.llm_engine.remove_lora(version.id)  # False when a base reload already dropped it

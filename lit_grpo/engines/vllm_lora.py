@@ -3,10 +3,11 @@
 
 vLLM takes adapters by path, through its own LoRA mechanism: each push writes a new adapter version in peft's format
 (``adapter_config.json`` + ``adapter_model.safetensors``, ``lit_grpo.models.lora.write_adapter``) into ``<dir>/v<k>``,
-and
-the requests name it (``LoRARequest("v<k>", k, path)`` colocated, ``model: "v<k>"`` for ``vllm serve``). The newest
-``keep`` versions stay loaded (K + 1, K = ``data.max_staleness``: a request sampled before a push may still name
-the previous one), older ones are unloaded and their directories removed (:class:`AdapterVersions`).
+and the requests name it (``LoRARequest("v<k>", k, path)`` colocated, ``model: "v<k>"`` for ``vllm serve``). The
+newest ``keep`` versions stay loaded (K + 1, K = ``data.max_staleness``: a request sampled before a push may still
+name the previous one), older ones are unloaded and their directories removed. Both kinds run that sequence through
+one object, ``lit_grpo.engines.adapter_versions.VersionedAdapters``; this module holds what is vLLM's own: the ranks
+it accepts, the ``LLM`` arguments, and the base weights a merge reloads.
 
 A stage swap merges the adapter into the trainer's base (``lit_grpo.models.lora.swap_reference_by_merge``). vLLM's base
 weights are fused and cannot be read back under the model's names, so a merge reaches vLLM as a push of the
@@ -16,14 +17,13 @@ new adapter.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from lit_grpo.engines.adapter_versions import AdapterVersion, AdapterVersions  # noqa: F401 (their former home)
 
 #: the values ``LLM(max_lora_rank=...)`` / ``vllm serve --max-lora-rank`` accept (``vllm/config/lora.py``,
 #: ``MaxLoRARanks``, vLLM 0.32)
@@ -61,68 +61,3 @@ def base_named_tensors(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in full_named_parameters(policy):
         if ".lora_" not in name:
             yield plain_name(name), tensor
-
-
-@dataclass(frozen=True)
-class AdapterVersion:
-    """One adapter version written for vLLM: its name (``v<k>``, what requests name), vLLM's integer id ``k``
-    (``LoRARequest.lora_int_id``, >= 1, never reused) and its directory."""
-
-    name: str
-    id: int
-    path: Path
-
-
-class AdapterVersions:
-    """The adapter versions written under ``root`` for one vLLM, newest last, of which the newest ``keep`` stay.
-
-    ``add`` writes the next version; ``stale`` names those beyond the newest ``keep`` (to unload), ``drop`` removes
-    one's directory once unloaded. Numbering starts at 1 (vLLM refuses id 0) and never repeats: vLLM caches an
-    adapter by its id, so a reused id would serve the old tensors."""
-
-    def __init__(self, root: str | Path, keep: int, prefix: str = "v") -> None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"the number of adapter versions kept must be an integer >= 1, got {keep!r}")
-        self.root = Path(root)
-        self.keep = keep
-        self.prefix = prefix
-        self.loaded: list[AdapterVersion] = []
-        self._next_id = 1
-
-    @property
-    def current(self) -> AdapterVersion | None:
-        """The newest version (the one new requests name), or None before the first push."""
-        return self.loaded[-1] if self.loaded else None
-
-    def add(self, spec: dict[str, Any], tensors: dict[str, torch.Tensor], write: bool = True) -> AdapterVersion:
-        """Write the next version (peft's format, ``lit_grpo.models.lora.write_adapter``) and make it the current one.
-        ``write=False`` only counts it (a rank that names the versions rank 0 writes)."""
-        from lit_grpo.models.lora import write_adapter
-
-        name = f"{self.prefix}{self._next_id}"
-        version = AdapterVersion(name, self._next_id, self.root / name)
-        if write:
-            write_adapter(spec, tensors, version.path)
-        self._next_id += 1
-        self.loaded.append(version)
-        return version
-
-    def stale(self) -> list[AdapterVersion]:
-        """The versions beyond the newest ``keep``, oldest first."""
-        return self.loaded[:-self.keep] if len(self.loaded) > self.keep else []
-
-    def drop(self, version: AdapterVersion) -> None:
-        """Forget ``version`` and remove its directory (after vLLM unloaded it)."""
-        self.loaded = [v for v in self.loaded if v.id != version.id]
-        shutil.rmtree(version.path, ignore_errors=True)
-
-    def clear(self) -> None:
-        """Remove every version's directory (at close)."""
-        for version in list(self.loaded):
-            self.drop(version)
-
-    def remove(self) -> None:
-        """Remove ``root`` itself with every version in it (at close; a second call does nothing): only for a
-        ``root`` made for these versions alone."""
-        self.clear()
-        shutil.rmtree(self.root, ignore_errors=True)

@@ -236,7 +236,9 @@ def version_text(version: Any) -> str | None:
 
 class HTTPClient:
     """JSON over HTTP to one server, with a bearer token and a timeout on every call; no proxies. Any failure is a
-    ``ServerError`` naming the server, the route and (for an error answer) the status and the server's message."""
+    ``ServerError`` naming the server, the route and (for an error answer) the status and the server's message.
+    ``request`` reads a JSON answer; ``text`` a plain-text one (``vllm serve``'s runtime LoRA routes answer
+    ``Success: ...`` in plain text, and their errors in vLLM's JSON shape, which both read)."""
 
     def __init__(self, url: str, token: str | None, timeout_s: float) -> None:
         self.url = url.rstrip("/")
@@ -244,8 +246,9 @@ class HTTPClient:
         self.timeout_s = timeout_s
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-    def request(self, method: str, path: str, body: dict | None = None, query: dict | None = None,
-                timeout_s: float | None = None) -> dict:
+    def _send(self, method: str, path: str, body: dict | None, query: dict | None,
+              timeout_s: float | None) -> tuple[bytes, str]:
+        """The answer's bytes and ``where`` (server, method, route: what every message names)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         target = self.url + path + (f"?{urlencode(query)}" if query else "")
         data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
@@ -256,18 +259,28 @@ class HTTPClient:
         where = f"rollout server {self.url}: {method} {path}"
         try:
             with self._opener.open(request, timeout=timeout) as response:
-                raw = response.read()
+                return response.read(), where
         except urllib.error.HTTPError as err:
             raise ServerError(f"{where} returned {err.code}: {error_message(err)}", status=err.code) from None
         except (urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", err)
             raise ServerError(f"{where} failed: {reason} (timeout {timeout:g} s)") from None
+
+    def request(self, method: str, path: str, body: dict | None = None, query: dict | None = None,
+                timeout_s: float | None = None) -> dict:
+        """The JSON answer (``{}`` for an empty one)."""
+        raw, where = self._send(method, path, body, query, timeout_s)
         if not raw:
             return {}
         try:
             return json.loads(raw)
         except ValueError:
             raise ServerError(f"{where} answered with something that is not JSON: {raw[:200]!r}") from None
+
+    def text(self, method: str, path: str, body: dict | None = None, query: dict | None = None,
+             timeout_s: float | None = None) -> str:
+        """The answer as text (undecodable bytes replaced)."""
+        return self._send(method, path, body, query, timeout_s)[0].decode(errors="replace")
 
     def get(self, path: str, **kwargs: Any) -> dict:
         return self.request("GET", path, **kwargs)

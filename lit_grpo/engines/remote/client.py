@@ -176,16 +176,15 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         """How many of the policy's merges the servers' bases hold (``model.lora``): asked of them (``/weight_info``'s
         ``lora``; 0 for a server that has had no adapter yet) until this engine has pushed, then counted here; every
         server must hold the same number. The base hash sent with the merges checks it."""
+        if self.kind == "vllm":  # counted by the adapters' sequence, from 0: vLLM starts from its own checkpoint
+            return 0 if self.vllm_adapters is None else self.vllm_adapters.merges_applied
         if self._merges_applied is None:
-            if self.kind == "vllm":
-                self._merges_applied = 0  # vLLM starts from its own checkpoint; a merge is a full base push there
-            else:
-                counts = {s.url: int((s.client.get("/weight_info").get("lora") or {}).get("merges_applied", 0))
-                          for s in self.servers}
-                if len(set(counts.values())) > 1:
-                    raise ServerError(f"the rollout servers hold different numbers of merges {counts}: restart them "
-                                      "from the same base")
-                self._merges_applied = next(iter(counts.values()))
+            counts = {s.url: int((s.client.get("/weight_info").get("lora") or {}).get("merges_applied", 0))
+                      for s in self.servers}
+            if len(set(counts.values())) > 1:
+                raise ServerError(f"the rollout servers hold different numbers of merges {counts}: restart them "
+                                  "from the same base")
+            self._merges_applied = next(iter(counts.values()))
         return self._merges_applied
 
     @torch.no_grad()
@@ -224,9 +223,10 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
             self.reference_version = str(self._merges_applied)
 
     def _load_vllm_adapter(self, update: AdapterUpdate, step: int) -> None:
-        """``kind: vllm``: the adapter as a new version loaded by path (``vllm_client.ServeAdapters``). vLLM's
-        base cannot be hashed under the model's names, so it gets the trainer's base instead (the full-weight push,
-        ``base_named_tensors``) at the first push of a fit and with every merge. A collective: every rank calls it."""
+        """``kind: vllm``: the adapter as a new version loaded by path (``vllm_client.ServeAdapters``, the sequence
+        both vLLM kinds share, which counts the merges). vLLM's base cannot be hashed under the model's names, so it
+        gets the trainer's base instead (the full-weight push, ``base_named_tensors``) at the first push of a fit and
+        with every merge. A collective: every rank calls it."""
         from lit_grpo.engines.remote.vllm_client import ServeAdapters
         from lit_grpo.engines.vllm_lora import base_named_tensors
 
@@ -234,15 +234,12 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         if self.vllm_adapters is None:
             # None when built outside the data module, which sets K + 1: keep two, enough for K <= 1
             keep = 2 if self.options.lora_keep is None else self.options.lora_keep
-            self.vllm_adapters = ServeAdapters(self.options.lora_dir, keep, rank)
-        if update.merges or self.vllm_adapters.current() is None:
-            self.load_weights(base_named_tensors(self.pusher.policy()), step)  # drains the producer first
-            self._merges_applied = self.merges_applied + len(update.merges)
-        else:
-            self._before_push()
-        error = self.vllm_adapters.push(self.servers, update, step)
-        if not everyone(error is None):
-            raise ServerError(error or "the adapter push failed on rank 0 (its log names the server and the error)")
+            self.vllm_adapters = ServeAdapters(  # load_weights drains the producer first
+                self.options.lora_dir, keep, rank,
+                lambda at: self.load_weights(base_named_tensors(self.pusher.policy()), at))
+        if not self.vllm_adapters.sequence.needs_base(len(update.merges)):
+            self._before_push()  # a base reload drains the producer itself
+        self.vllm_adapters.push(self.servers, update, step)  # raises on every rank together
         for server in self.servers:
             server.expected_version = str(int(step))
         self.synced_step = int(step)

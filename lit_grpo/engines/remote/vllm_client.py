@@ -214,20 +214,25 @@ LORA_SERVE_HINT = ("start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True 
 
 
 class ServeAdapters:
-    """The adapter versions of a LoRA policy on ``vllm serve`` (``ServerEngine`` with ``kind: vllm``).
+    """The adapter versions of a LoRA policy on ``vllm serve`` (``ServerEngine`` with ``kind: vllm``): the sequence
+    both vLLM kinds share (``lit_grpo.engines.adapter_versions.VersionedAdapters``, which also counts the merges the
+    servers' bases hold) over HTTP (:class:`ServeAdapterCalls`).
 
     Rank 0 writes each version in peft's format into a fresh directory inside ``lora_dir`` and loads it on every
     server (``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``: the server reads the path, so ``lora_dir``
     must be on a filesystem it shares with rank 0); the newest ``keep`` stay loaded, older ones are unloaded
-    (``/v1/unload_lora_adapter``) and removed. Every rank counts the versions alike, so each rank's requests name the
-    newest (``model: <name>``), and their completions are labelled with the step of the adapter they named: vLLM's
-    own ``weight_versions`` label the base, which an adapter push leaves as it is."""
+    (``/v1/unload_lora_adapter``) and removed. The servers were started from their own checkpoint, whose hash
+    cannot be compared with the trainer's base, so the first push of a fit and every push with merges reload the
+    trainer's base first (``reload_base(step)``: the full-weight push, a collective every rank runs). Every rank
+    counts the versions alike, so each rank's requests name the newest (``model: <name>``), and their completions are
+    labelled with the step of the adapter they named: vLLM's own ``weight_versions`` label the base, which an adapter
+    push leaves as it is."""
 
-    def __init__(self, lora_dir: str | None, keep: int, rank: int) -> None:
+    def __init__(self, lora_dir: str | None, keep: int, rank: int, reload_base: Callable[[int], None]) -> None:
         import tempfile
         from pathlib import Path
 
-        from lit_grpo.engines.vllm_lora import AdapterVersions
+        from lit_grpo.engines.adapter_versions import AdapterVersions, VersionedAdapters
 
         if not isinstance(lora_dir, str) or not lora_dir:
             raise ValueError("model.lora with kind 'vllm' needs data.engine_options.lora_dir: a directory rank 0 "
@@ -236,9 +241,20 @@ class ServeAdapters:
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             root = Path(tempfile.mkdtemp(prefix="lit_grpo_lora_", dir=str(root)))
-        self.versions = AdapterVersions(root, keep, prefix=ADAPTER_PREFIX)
         self.rank = rank
-        self.steps: dict[int, int] = {}  # version id -> the optimizer step of its adapter
+        self.calls = ServeAdapterCalls(rank, reload_base)
+        self.sequence = VersionedAdapters(AdapterVersions(root, keep, prefix=ADAPTER_PREFIX), self.calls,
+                                          write=rank == 0, base_at_first=True, agree=agree_with_rank_zero)
+
+    @property
+    def versions(self) -> Any:
+        """The versions written (``AdapterVersions``; on ranks other than 0 only counted)."""
+        return self.sequence.versions
+
+    @property
+    def merges_applied(self) -> int:
+        """How many of the policy's merges the servers' bases hold (``VersionedAdapters.merges_applied``)."""
+        return self.sequence.merges_applied
 
     def close(self) -> None:
         """At the end of the fit (``ServerEngine.close``): rank 0 removes its directory with every version in it.
@@ -246,74 +262,94 @@ class ServeAdapters:
         it from its CPU cache, so the kept versions must stay readable while the fit runs. After the fit no request
         names them, and the next fit unloads them from the server (``unload_leftovers``). The other ranks wrote
         nothing: their ``root`` is ``lora_dir`` itself, not theirs to remove."""
-        if self.rank == 0:
-            self.versions.remove()
+        self.sequence.close()
 
     def current(self) -> tuple[str, str] | None:
         """``(adapter name, its step as the completions' weight version)`` of the newest version, or None."""
-        version = self.versions.current
-        return None if version is None else (version.name, str(self.steps[version.id]))
+        version = self.sequence.current
+        return None if version is None else (version.name, str(self.sequence.steps[version.id]))
 
-    def push(self, servers: list[ServerConnection], update: Any, step: int) -> str | None:
-        """Write and load the next version (rank 0), unload the stale ones; every rank counts it. Returns rank 0's
-        error message (None when it went through), for the ranks to share."""
-        first = self.versions.current is None
-        version = self.versions.add(update.spec, update.adapter, write=self.rank == 0)
-        self.steps[version.id] = int(step)
-        stale = self.versions.stale()
-        error = None
+    def push(self, servers: list[ServerConnection], update: Any, step: int) -> None:
+        """Reload the base when needed, write and load the next version (rank 0), unload the stale ones; every rank
+        counts it. A collective: every rank calls it, and a failure raises ``ServerError`` on every rank (rank 0's
+        message there), the previous version still the one requests name."""
+        self.calls.servers = list(servers)
+        self.sequence.push(update, step)
+
+
+def agree_with_rank_zero(failure: Exception | None) -> Exception | None:
+    """The ``VersionedAdapters`` agreement of a ``vllm serve`` push: only rank 0 talks to the servers, so one
+    collective tells every rank whether it went through; rank 0 raises its own error, the others a ``ServerError``
+    pointing at rank 0's log."""
+    from lit_grpo.core.distributed import everyone
+
+    if everyone(failure is None):
+        return None
+    if failure is None:
+        return ServerError("the adapter push failed on rank 0 (its log names the server and the error)")
+    if isinstance(failure, ServerError):
+        return failure
+    return ServerError(f"the adapter push failed: {type(failure).__name__}: {failure}")
+
+
+class ServeAdapterCalls:
+    """The ``AdapterTransport`` of ``vllm serve``: rank 0 loads and unloads by HTTP on every server of the push
+    (``servers``, set by ``ServeAdapters.push``); the other ranks count only. The base reload is the engine's
+    full-weight push, which every rank runs."""
+
+    def __init__(self, rank: int, reload_base: Callable[[int], None]) -> None:
+        self.rank = rank
+        self._reload_base = reload_base
+        self.servers: list[ServerConnection] = []
+        self._cleared: set[str] = set()  # servers whose earlier fits' adapters are unloaded
+
+    def reload_base(self, step: int) -> None:
+        self._reload_base(step)
+
+    def load(self, version: Any) -> None:
+        """Load ``version`` on every server (first unloading earlier fits' leftovers: this fit's names restart at
+        1); a server that refuses it leaves none of them holding it."""
+        if self.rank != 0:
+            return
+        done: list[ServerConnection] = []
+        try:
+            for server in self.servers:
+                if server.url not in self._cleared:
+                    unload_leftovers(server)
+                    self._cleared.add(server.url)
+                load_lora(server, version.name, str(version.path))
+                done.append(server)
+        except ServerError:
+            for server in done:
+                try:
+                    unload_lora(server, version.name)
+                except ServerError:
+                    pass  # the refusal is the error to report; a version left loaded is never named
+            raise
+
+    def unload(self, version: Any) -> None:
         if self.rank == 0:
-            try:
-                for server in servers:
-                    if first:
-                        unload_leftovers(server)
-                    load_lora(server, version.name, str(version.path))
-                    for old in stale:
-                        post_for_text(server, "/v1/unload_lora_adapter", {"lora_name": old.name})
-            except ServerError as err:
-                error = str(err)
-        for old in stale:
-            self.versions.drop(old)
-            self.steps.pop(old.id, None)
-        if error is not None:
-            self.versions.drop(version)
-        return error
-
-
-def post_for_text(server: ServerConnection, path: str, body: dict) -> str:
-    """``POST`` a JSON ``body`` to one of vLLM's LoRA routes, which answer in plain text (not JSON, so not through
-    ``HTTPClient``); a ``ServerError`` naming the server, the route and vLLM's message when it refuses."""
-    import json
-    import urllib.error
-    import urllib.request
-
-    from lit_grpo.wire.protocol import error_message
-
-    client = server.client
-    headers = {"Content-Type": "application/json"}
-    if client.token:
-        headers["Authorization"] = f"Bearer {client.token}"
-    request = urllib.request.Request(client.url + path, data=json.dumps(body).encode(), headers=headers,
-                                     method="POST")
-    where = f"rollout server {client.url}: POST {path}"
-    try:
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request,
-                                                                               timeout=client.timeout_s) as response:
-            return response.read().decode(errors="replace")
-    except urllib.error.HTTPError as err:
-        raise ServerError(f"{where} returned {err.code}: {error_message(err)}", status=err.code) from None
-    except (urllib.error.URLError, OSError) as err:
-        raise ServerError(f"{where} failed: {getattr(err, 'reason', err)}") from None
+            for server in self.servers:
+                unload_lora(server, version.name)
 
 
 def load_lora(server: ServerConnection, name: str, path: str) -> None:
     """``POST /v1/load_lora_adapter``; a refusal becomes one line that says how to start the server."""
     try:
-        post_for_text(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        server.client.text("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
     except ServerError as err:
         raise ServerError(f"vllm serve at {server.url} refused the adapter {name} from {path}: {err}; "
                           f"{LORA_SERVE_HINT}, and give it the path rank 0 writes (engine_options.lora_dir on a "
-                          "filesystem both share)") from None
+                          "filesystem both share)", status=err.status) from None
+
+
+def unload_lora(server: ServerConnection, name: str) -> None:
+    """``POST /v1/unload_lora_adapter``; an adapter the server does not hold (404) is already unloaded."""
+    try:
+        server.client.text("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+    except ServerError as err:
+        if err.status != 404:
+            raise
 
 
 def unload_leftovers(server: ServerConnection) -> None:
@@ -323,7 +359,7 @@ def unload_leftovers(server: ServerConnection) -> None:
     for model in models:
         name = model.get("id") if isinstance(model, dict) else None
         if isinstance(name, str) and name.startswith(ADAPTER_PREFIX):
-            post_for_text(server, "/v1/unload_lora_adapter", {"lora_name": name})
+            unload_lora(server, name)
 
 
 def with_adapter_versions(response: dict, version: str) -> dict:
