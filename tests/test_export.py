@@ -158,3 +158,78 @@ def test_export_of_a_bad_alias_is_one_line(args, expected, tmp_path, capsys, mon
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert all(text in lines[0] for text in expected), lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def lora_checkpoint(path, tamper: bool = False) -> torch.nn.Module:
+    """A LoRA policy of the tiny alias after one stage swap (a merged adapter, then a fresh one, both random), saved
+    as a GRPOModule checkpoint is (``policy.*`` tensors, the hyper-parameters, the merge log), without a fit.
+    ``tamper``: its base no longer the alias's (a model that changed since training)."""
+    from lit_grpo.models.lora import (
+        LoraArgs,
+        adapter_state,
+        apply_lora,
+        load_adapter_state,
+        merge_log,
+        swap_reference_by_merge,
+    )
+
+    torch.manual_seed(0)
+    policy = apply_lora(tiny_llama(len(tiny_tokenizer())), LoraArgs(r=2, alpha=4.0))
+    for _ in range(2):  # the first adapter is merged by the swap, the second stays the adapter
+        load_adapter_state(policy, {k: torch.randn_like(v) * 0.2 for k, v in adapter_state(policy).items()})
+        if not merge_log(policy).entries:
+            swap_reference_by_merge(policy, [])
+    state = {f"policy.{k}": v for k, v in policy.state_dict().items()}
+    if tamper:
+        name = next(k for k in state if k.endswith("q_proj.base_layer.weight"))
+        state[name] = state[name] + 1e-3
+    torch.save({"state_dict": state, "lora_merge_log": merge_log(policy).state_dict(),
+                "hyper_parameters": {"model_name": "tiny-random-llama", "dtype": "float32",
+                                     "lora": {"r": 2, "alpha": 4.0}}}, path)
+    return policy.eval()
+
+
+def test_an_adapter_only_export_names_a_base_peft_loads(tmp_path, monkeypatch):
+    """``export --adapter-only`` of a LoRA checkpoint of an alias: the adapter names the base written beside it, so
+    ``AutoPeftModelForCausalLM.from_pretrained(OUT)`` loads it from any working directory and computes the merged
+    export's logits (the trained policy's)."""
+    import json
+
+    from peft import AutoPeftModelForCausalLM
+
+    policy = lora_checkpoint(tmp_path / "lora.ckpt")
+    main(["export", str(tmp_path / "lora.ckpt"), str(tmp_path / "merged")])
+    main(["export", "--adapter-only", str(tmp_path / "lora.ckpt"), str(tmp_path / "adapter")])
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "adapter" / "base").resolve())
+    assert config["r"] == 2 * 2  # one merge and the current adapter, stacked onto the starting base
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (tmp_path / "adapter" / "base" / name).is_file(), name
+    monkeypatch.chdir(tmp_path / "merged")  # the path is absolute: another working directory loads it too
+    loaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "adapter")
+    want = logits(merged, tiny_tokenizer())
+    assert (want - logits(tiny_llama(len(tiny_tokenizer())), tiny_tokenizer())).abs().max() > 1e-3  # trained
+    torch.testing.assert_close(logits(loaded, tokenizer), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits(policy, tiny_tokenizer()), want, rtol=0, atol=1e-5)
+
+
+def test_an_adapter_only_export_refuses_a_base_that_changed_since_training(tmp_path):
+    from lit_grpo.cli.export import export_checkpoint
+
+    lora_checkpoint(tmp_path / "lora.ckpt", tamper=True)
+    with pytest.raises(ValueError, match=r"'tiny-random-llama' \(float32\) loads now as a base whose hash after the "
+                                         r"checkpoint's 1 merge\(s\) is .*the model changed since training"):
+        export_checkpoint(tmp_path / "lora.ckpt", tmp_path / "adapter", adapter_only=True)
+    assert not (tmp_path / "adapter" / "base").exists() and not (tmp_path / "adapter" / "adapter_config.json").exists()
+
+
+def test_an_adapter_names_a_hub_base_by_its_id_and_other_bases_by_the_written_path(tmp_path):
+    from lit_grpo.cli.export import adapter_base_name
+
+    written = tmp_path / "out" / "base"
+    assert adapter_base_name("HuggingFaceTB/SmolLM2-135M-Instruct", written) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert adapter_base_name("tiny-random-llama", written) == str(written.resolve())  # an alias loads nowhere else
+    (tmp_path / "local").mkdir()
+    assert adapter_base_name(str(tmp_path / "local"), written) == str(written.resolve())

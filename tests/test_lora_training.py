@@ -199,10 +199,12 @@ def test_exports_merged_by_default_and_adapter_alone_on_request(straight, tmp_pa
     for merged_dir in (export_checkpoint(root / "end.ckpt", tmp_path / "merged"), root / "merged"):
         merged = AutoModelForCausalLM.from_pretrained(merged_dir)
         torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-5)
-    for adapter_dir in (export_checkpoint(root / "end.ckpt", tmp_path / "adapter", adapter_only=True),
-                        root / "adapter"):
+    exported = export_checkpoint(root / "end.ckpt", tmp_path / "adapter", adapter_only=True)
+    # the command writes the starting base beside the adapter and names it (an alias loads nowhere else)
+    for adapter_dir, base_name in ((exported, str((exported / "base").resolve())),
+                                   (root / "adapter", "tiny-random-llama")):
         config = json.loads((adapter_dir / "adapter_config.json").read_text())
-        assert config["r"] == 4 * 4 and config["base_model_name_or_path"] == "tiny-random-llama"  # 3 merges + 1
+        assert config["r"] == 4 * 4 and config["base_model_name_or_path"] == base_name  # 3 merges + 1
         base = load_model_and_tokenizer("tiny-random-llama")[0]
         loaded = PeftModel.from_pretrained(base, str(adapter_dir))
         torch.testing.assert_close(logits(loaded), expected, rtol=0, atol=1e-5)

@@ -4,10 +4,14 @@
 The directory holds the policy's weights (safetensors), ``config.json`` and the tokenizer files, so
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``, ``vllm serve OUT_DIR`` or an evaluation harness take it as
 is. The reference model and the optimizer state stay behind. A LoRA policy (``model.lora``) is written merged (base
-plus adapter, a plain model) by default, or with ``--adapter-only`` as its adapter alone in peft's format
-(``adapter_config.json``, ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, OUT_DIR)``); after stage
-swaps that adapter stacks the merged ones (``lit_grpo.models.lora.cumulative_adapter``), so it applies to the starting
-base.
+plus adapter, a plain model) by default, or with ``--adapter-only`` as its adapter in peft's format
+(``adapter_config.json``, ``adapter_model.safetensors``) with the base it applies to beside it, in ``OUT_DIR/base``
+(:func:`export_adapter`); after stage swaps that adapter stacks the merged ones
+(``lit_grpo.models.lora.cumulative_adapter``), so it applies to the starting base, which is the one written.
+``peft.AutoPeftModelForCausalLM.from_pretrained(OUT_DIR)`` loads it: the adapter's ``base_model_name_or_path`` is
+the Hub id the policy started from, or else (an alias, a local directory) the absolute path of ``OUT_DIR/base``;
+peft reads a relative path against the working directory, so after moving the directory load it as
+``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(OUT_DIR / "base"), OUT_DIR)``.
 ``CKPT`` is a ``.ckpt`` file or a sharded checkpoint directory written by ``ModelParallelStrategy`` (see
 :mod:`lit_grpo.core.checkpoints`).
 
@@ -41,7 +45,15 @@ def tied_aliases(model: nn.Module) -> set[str]:
 
 
 def load_policy_from_checkpoint(checkpoint: str | Path):  # noqa: ANN201 - (model, tokenizer)
-    """The policy of a GRPOModule checkpoint as a Hugging Face model with its tokenizer.
+    """The policy of a GRPOModule checkpoint as a Hugging Face model with its tokenizer (see
+    :func:`load_policy_and_hparams`)."""
+    model, tokenizer, _ = load_policy_and_hparams(checkpoint)
+    return model, tokenizer
+
+
+def load_policy_and_hparams(checkpoint: str | Path):  # noqa: ANN201 - (model, tokenizer, hyper_parameters)
+    """The policy of a GRPOModule checkpoint as a Hugging Face model with its tokenizer, and the checkpoint's
+    ``hyper_parameters``.
 
     The model and tokenizer are rebuilt from the checkpoint's ``hyper_parameters`` (``model_name``, ``dtype``)
     with :func:`lit_grpo.models.loading.load_model_and_tokenizer` (a peft model with its LoRA adapter and merge log when
@@ -74,16 +86,16 @@ def load_policy_from_checkpoint(checkpoint: str | Path):  # noqa: ANN201 - (mode
     missing, unexpected = model.load_state_dict(ckpt.tensors(POLICY_PREFIX, like=expected), strict=False)
     if set(missing) - aliases or unexpected:  # check_fits rules this out; a silent partial load must not happen
         raise CheckpointError(f"checkpoint {ckpt.path}: loading left {missing or unexpected} unmatched")
-    return model, tokenizer
+    return model, tokenizer, hp
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, adapter_only: bool = False) -> Path:
     """Write the policy of a GRPOModule checkpoint to ``out_dir`` as a Hugging Face model directory (see
     :func:`load_policy_from_checkpoint`); a LoRA policy merged, or with ``adapter_only`` its adapter alone in
     peft's format (stacked with the merges of its stage swaps, so that it applies to the starting base)."""
-    from lit_grpo.models.lora import is_lora, merge_adapter_into_base, save_adapter
+    from lit_grpo.models.lora import is_lora, merge_adapter_into_base
 
-    model, tokenizer = load_policy_from_checkpoint(checkpoint)
+    model, tokenizer, hp = load_policy_and_hparams(checkpoint)
     lora = is_lora(model)
     if adapter_only and not lora:
         raise ValueError(f"--adapter-only: checkpoint {checkpoint} holds no LoRA adapter (it was trained without "
@@ -91,7 +103,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, adapter_only:
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     if adapter_only:
-        save_adapter(model, out, base_model=model.peft_config["default"].base_model_name_or_path)
+        export_adapter(model, tokenizer, hp["model_name"], hp.get("dtype", "float32"), out)
     elif lora:
         merge_adapter_into_base(model)  # base + scale * B @ A, as a push to an engine without adapters sends it
         model.unload().save_pretrained(out)
@@ -99,6 +111,72 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, adapter_only:
         model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+#: the folder inside an adapter-only export that holds the base the adapter applies to
+BASE_DIR = "base"
+
+
+def is_hub_id(model_name: str) -> bool:
+    """Whether ``model_name`` names a Hugging Face Hub model: not one of lit_grpo's aliases (built in memory or
+    converted on first use, which nothing else loads) and not a local directory."""
+    from lit_grpo.models.loading import ALIAS_LOADERS
+
+    return model_name not in ALIAS_LOADERS and not Path(model_name).expanduser().exists()
+
+
+def adapter_base_name(model_name: str, base_dir: Path) -> str:
+    """What an adapter export names as its base (``base_model_name_or_path``, what peft's ``AutoPeftModel`` loads):
+    the Hub id the policy started from, which loads anywhere; else the absolute path of the base written beside the
+    adapter (an alias loads nowhere but in lit_grpo, and a local directory may change or go)."""
+    return model_name if is_hub_id(model_name) else str(base_dir.expanduser().resolve())
+
+
+def export_adapter(model: nn.Module, tokenizer, model_name: str, dtype: str, out: Path) -> None:  # noqa: ANN001
+    """Write a LoRA policy's adapter to ``out`` in peft's format (stacked with its merges:
+    ``lit_grpo.models.lora.save_adapter``), the base it applies to into ``out/base`` (the starting base: ``model_name``
+    loaded in ``dtype``, as training started from it, with the tokenizer and a generation config without sampling
+    values), and the tokenizer beside the adapter. The adapter names its base by :func:`adapter_base_name`.
+
+    The base written is checked first: with the checkpoint's merges applied to it (in the trainer's fixed order,
+    which reproduces the trainer's base bitwise) its hash must be that of the checkpoint's base, else a model that
+    changed since training (a re-converted alias, a new revision of a Hub id) would be written silently. A mismatch
+    raises ``ValueError`` and leaves no base behind."""
+    import shutil
+
+    import torch
+
+    from lit_grpo.models.loading import load_model_and_tokenizer
+    from lit_grpo.models.lora import (
+        LoraArgs,
+        apply_lora,
+        base_hash,
+        lora_spec,
+        merge_adapter_into_base,
+        merge_log,
+        save_adapter,
+    )
+
+    base_dir = out / BASE_DIR
+    base, _ = load_model_and_tokenizer(model_name, dtype)
+    base.generation_config = neutral_generation_config(base, tokenizer)
+    base.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    merges = merge_log(model).entries
+    if merges:  # the written base, merged as training merged it, must be the checkpoint's base
+        spec = lora_spec(model)
+        with torch.random.fork_rng():  # the adapter's initial values do not matter: only merges are applied
+            base = apply_lora(base, LoraArgs(r=spec["r"], alpha=spec["alpha"], target_modules=spec["target_modules"]))
+        for entry in merges:
+            merge_adapter_into_base(base, entry)
+    held, expected = base_hash(base), base_hash(model)
+    if held != expected:
+        shutil.rmtree(base_dir, ignore_errors=True)
+        raise ValueError(f"--adapter-only: {model_name!r} ({dtype}) loads now as a base whose hash after the "
+                         f"checkpoint's {len(merges)} merge(s) is {held[:16]}..., the checkpoint's base has "
+                         f"{expected[:16]}...: the model changed since training; export merged (without "
+                         "--adapter-only), which needs no base")
+    save_adapter(model, out, base_model=adapter_base_name(model_name, base_dir))
 
 
 def neutral_generation_config(model: nn.Module, tokenizer) -> Any:  # noqa: ANN001 (a Hugging Face tokenizer)
@@ -162,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead of a checkpoint: a model alias (smollm2-135m-instruct, tiny-random-llama, "
                              "arith-tiny-sft), written as a directory for vLLM (data.engine vllm, vllm serve)")
     parser.add_argument("--adapter-only", action="store_true",
-                        help="a LoRA checkpoint: write its adapter alone in peft's format instead of the merged model")
+                        help="a LoRA checkpoint: write its adapter in peft's format instead of the merged model, with "
+                             "the base it applies to in out_dir/base")
     return parser
 
 
