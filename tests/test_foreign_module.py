@@ -1,10 +1,13 @@
-"""The README's example module (not GRPOModule: group REINFORCE of its own) trains with all four callbacks, and each
-callback does its job: the engine holds the policy's weights after a sync, pi_ref equals the policy after a swap
-(KL exactly 0 on the next batch), Pass@1 is logged, and the exported directory loads."""
+"""The example module of docs/foreign-module.md (examples/own_module.py; not GRPOModule: group REINFORCE of its own)
+trains with all four callbacks, and each callback does its job: the engine holds the policy's weights after a sync,
+pi_ref equals the policy after a swap (KL exactly 0 on the next batch), Pass@1 is logged, and the exported directory
+loads. The page shows the file verbatim, which the first test checks."""
 
 import csv
+import importlib.util
 import re
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from lit_grpo.callbacks import GSM8KPassAtK, HFExport, RefModelSwap, WeightSync
@@ -12,18 +15,25 @@ from transformers import AutoModelForCausalLM
 
 from lit_grpo.models.loading import tiny_tokenizer
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-HEADING = "## Use the callbacks in your own LightningModule"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "own_module.py"
+DOC = ROOT / "docs" / "foreign-module.md"
 
 
-def readme_example() -> str:
-    """The first python code block under the README's heading for foreign modules."""
-    text = README.read_text()
-    assert HEADING in text, f"README.md has no section {HEADING!r}"
-    section = text.split(HEADING, 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert blocks, f"README.md's section {HEADING!r} has no python code block"
-    return blocks[0]
+def load_example() -> ModuleType:
+    """examples/own_module.py as a fresh module (it is in no package): defines the module and main() without
+    running it."""
+    spec = importlib.util.spec_from_file_location("own_module_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_doc_shows_the_example_file_verbatim():
+    """docs/foreign-module.md's python block is the file the other tests run, character for character."""
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert blocks, "docs/foreign-module.md has no python code block"
+    assert blocks[0] == EXAMPLE.read_text(), "docs/foreign-module.md's example differs from examples/own_module.py"
 
 
 def rows_by_step(metrics_csv: Path, key: str) -> list[float]:
@@ -33,11 +43,9 @@ def rows_by_step(metrics_csv: Path, key: str) -> list[float]:
     return [float(r[key]) for r in sorted(rows, key=lambda r: int(r["step"]))]
 
 
-def test_readme_example_module_trains_with_all_four_callbacks(tmp_path, monkeypatch):
+def test_the_example_module_trains_with_all_four_callbacks(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "readme_example"}  # defines the module and main() without running it
-    exec(compile(readme_example(), "<README example>", "exec"), namespace)
-    trainer = namespace["main"](steps=4, out=str(tmp_path / "run"))
+    trainer = load_example().main(steps=4, out=str(tmp_path / "run"))
     module = trainer.lightning_module
     assert type(module).__name__ != "GRPOModule" and trainer.global_step == 4
     by_type = {type(c): c for c in trainer.callbacks}
@@ -70,12 +78,11 @@ def test_readme_example_module_trains_with_all_four_callbacks(tmp_path, monkeypa
     assert (export.dirpath / "tokenizer_config.json").exists()
 
 
-def test_readme_example_with_a_tokenizer_without_pad_token(tmp_path, monkeypatch):
+def test_the_example_with_a_tokenizer_without_pad_token(tmp_path, monkeypatch):
     """GPT-2 and Llama 3 tokenizers have no pad token: the data module, the engine, Pass@k and the export pad with the
     eos token instead, and the tokenizer is left as it was."""
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "readme_example"}
-    exec(compile(readme_example(), "<README example>", "exec"), namespace)
+    example = load_example()
     tokenizers = []
 
     def padless_tokenizer():
@@ -84,8 +91,8 @@ def test_readme_example_with_a_tokenizer_without_pad_token(tmp_path, monkeypatch
         tokenizers.append(tokenizer)
         return tokenizer
 
-    namespace["tiny_tokenizer"] = padless_tokenizer  # the name the example's module calls
-    trainer = namespace["main"](steps=2, out=str(tmp_path / "run"))
+    monkeypatch.setattr(example, "tiny_tokenizer", padless_tokenizer)  # the name the example's module calls
+    trainer = example.main(steps=2, out=str(tmp_path / "run"))
     assert trainer.global_step == 2 and len(tokenizers) == 1 and tokenizers[0].pad_token is None
     evaluator = next(c for c in trainer.callbacks if isinstance(c, GSM8KPassAtK))
     assert [h["step"] for h in evaluator.history] == [2.0]
