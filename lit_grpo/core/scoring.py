@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from lit_grpo.core.batch import MicroBatch
+from lit_grpo.core.cache_argument import cache_kwarg, output_cache
 from lit_grpo.math.logprobs import selective_log_softmax_with_normaliser, token_entropy
 
 
@@ -83,7 +84,7 @@ def _logits_with_shared_prompt(model: nn.Module, mb: MicroBatch) -> list[tuple[t
         use_cache=True,
         logits_to_keep=1,
     )
-    cache = out.past_key_values
+    cache = output_cache(out)
     cache.batch_select_indices(mb.prompt_index)
     pieces = [(out.logits[:, -1:][mb.prompt_index], mb.completion_ids[:, :1])]  # predicts the first token
     if mb.completion_ids.shape[1] > 1:
@@ -93,8 +94,8 @@ def _logits_with_shared_prompt(model: nn.Module, mb: MicroBatch) -> list[tuple[t
             input_ids=mb.completion_ids[:, :-1],
             attention_mask=full_mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
+            **{cache_kwarg(model): cache},
         ).logits
         pieces.append((rest, mb.completion_ids[:, 1:]))
     return pieces

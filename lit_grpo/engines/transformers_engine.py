@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lit_grpo.core.batch import left_pad
+from lit_grpo.core.cache_argument import cache_kwarg, output_cache
 from lit_grpo.core.distributed import is_sharded
 from lit_grpo.core.scoring import completion_logprobs, positions_from_mask
 from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
@@ -215,8 +216,9 @@ class TransformersEngine(RolloutEngine):
             input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=True, logits_to_keep=1
         )
         expand = torch.arange(len(prompts), device=device).repeat_interleave(n)
-        cache = out.past_key_values
+        cache = output_cache(out)
         cache.batch_select_indices(expand)
+        cache_name = cache_kwarg(self.model)
         preallocate(cache, sampling.max_new_tokens)  # written in place: no copy of the whole cache per token
         logits = out.logits[:, -1][expand]
         attention = mask[expand]
@@ -244,8 +246,8 @@ class TransformersEngine(RolloutEngine):
                 input_ids=sampled.unsqueeze(-1),
                 attention_mask=attention,
                 position_ids=(attention.sum(-1, keepdim=True) - 1).clamp(min=0),
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_name: cache},
             ).logits[:, -1]
         token_rows = torch.stack(tokens, dim=1).tolist()
         logp_rows = torch.stack(logps, dim=1).tolist()

@@ -1,0 +1,43 @@
+"""The command line's default progress bar counts optimizer steps out of ``trainer.max_steps`` (a GRPO fit is
+step-based: Lightning's epoch bar read ``Epoch 0/-2``), and gives way to a bar of the user's or to
+``enable_progress_bar: false``; a fit's output carries neither transformers' ``past_key_values`` deprecation nor
+Lightning's litlogger tip."""
+
+import sys
+from pathlib import Path
+
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+from lit_grpo.cli.progress import StepProgressBar, default_progress_bar
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_fit_shows_steps_out_of_max_steps_and_no_noise(tmp_path, monkeypatch, capfd):
+    from lit_grpo.cli.lightning_cli import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lit_grpo"])  # LightningCLI reads sys.argv too; keep pytest's out of it
+    cli = train(["fit", "--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--model.model_name", "tiny-random-llama",
+                 "--trainer.max_steps", "3", "--trainer.logger", "false", "--trainer.callbacks", "[]",
+                 "--trainer.enable_checkpointing", "false", "--eval.at_start", "false", "--eval.at_end", "false",
+                 "--data.prompts_per_step", "2", "--data.num_generations", "2", "--data.micro_batch_size", "4",
+                 "--data.max_new_tokens", "4"])
+    bar = cli.trainer.progress_bar_callback
+    assert isinstance(bar, StepProgressBar)
+    assert bar.train_progress_bar.total == 3
+    assert bar.train_progress_bar.n == cli.trainer.global_step == 3
+    assert bar.train_progress_bar.desc.startswith("step")
+    captured = capfd.readouterr()
+    assert "Epoch 0/" not in captured.out + captured.err
+    assert "past_key_values" not in captured.err
+    assert "litlogger" not in captured.out + captured.err
+
+
+def test_the_default_bar_gives_way_to_a_given_bar_or_to_none():
+    assert isinstance(default_progress_bar({}, []), StepProgressBar)
+    assert isinstance(default_progress_bar({"enable_progress_bar": None, "callbacks": None}, []), StepProgressBar)
+    assert default_progress_bar({"enable_progress_bar": False}, []) is None
+    assert default_progress_bar({"callbacks": [TQDMProgressBar(refresh_rate=5)]}, []) is None
+    assert default_progress_bar({"callbacks": RichProgressBar()}, []) is None
+    assert default_progress_bar({}, [TQDMProgressBar()]) is None
