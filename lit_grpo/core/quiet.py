@@ -4,6 +4,10 @@ line of that logger still shows.
 
 - Lightning (2.6) logs an advertisement for its hosted logger (``💡 Tip: ... litlogger ...``) at every
   ``Trainer`` construction that has no ``LitLogger``; it has no switch of its own.
+- vLLM logs its whole engine configuration (several kilobytes on one line) when an engine starts; the colocated
+  engine's options are the project's own (``VLLMEngine``), so the dump repeats what the run's config says. Only
+  that record is dropped: vLLM's other lines (the KV cache size, its warnings) still show. ``vllm serve`` runs
+  its engine in processes of its own, where ``VLLM_LOGGING_LEVEL=WARNING`` quiets it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ import logging
 #: the logger Lightning's ``rank_zero_info`` writes to, and a piece of the tip's text
 LIGHTNING_RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
 LITLOGGER_TIP = "litlogger"
+#: the logger of vLLM's engine core, and a piece of its configuration dump ("Initializing a V1 LLM engine (v...)
+#: with config: ...")
+VLLM_ENGINE_CORE_LOGGER = "vllm.v1.engine.core"
+VLLM_CONFIG_DUMP = "LLM engine (v"
 
 
 class DropMessages(logging.Filter):
@@ -37,3 +45,8 @@ def drop_messages(logger_name: str, *pieces: str) -> None:
 def quiet_lightning() -> None:
     """Drop Lightning's litlogger tip."""
     drop_messages(LIGHTNING_RANK_ZERO_LOGGER, LITLOGGER_TIP)
+
+
+def quiet_vllm() -> None:
+    """Drop vLLM's configuration dump at engine start (in this process)."""
+    drop_messages(VLLM_ENGINE_CORE_LOGGER, VLLM_CONFIG_DUMP)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lit_grpo.core.distributed import close_at_exit
+from lit_grpo.core.quiet import quiet_vllm
 from lit_grpo.engines.adapter_versions import AdapterVersion, AdapterVersions, VersionedAdapters
 from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
 from lit_grpo.engines.sampling_fields import vllm_sampling_fields
@@ -290,6 +291,7 @@ class VLLMEngine(RolloutEngine):
         self.dtype = dtype
         # vLLM runs on cuda:LOCAL_RANK, the trainer's own device (trainer_device_index)
         self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
+        quiet_vllm()  # its configuration dump at engine start repeats the options above
         self.llm = llm_cls(
             model=model_name,
             dtype=dtype,
