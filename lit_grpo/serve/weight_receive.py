@@ -170,66 +170,62 @@ class WeightReceiver:
             self._push_buffers = []
         return {"message": "Weight update started", "target": target}
 
-    def _announced(self, body: dict) -> tuple[list[str], list, list[list[int]]]:
-        from lit_grpo.wire.weight_transfer import DTYPES
+    def _announced(self, body: dict) -> tuple[Any, list]:
+        """The announcement as the one round format (``lit_grpo.wire.push_format``), validated against the
+        parameters the push in progress writes: every name known and not sent before in this push, dtypes and
+        shapes the server's, spans that add up; ``PushFormatError`` listing the first bad entries otherwise."""
+        from lit_grpo.wire.push_format import Expected, PushManifest, validate
 
         info = body.get("update_info")
         if not isinstance(info, dict):
-            raise HTTPFailure(400, 'expected {"update_info": {"names": [...], "dtype_names": [...], "shapes": [...]}}')
-        names, dtype_names, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
-        if not isinstance(names, list) or not names:
-            raise HTTPFailure(400, "update_info.names must be a non-empty list (this server does not reuse the "
-                                   "previous call's metadata)")
-        if not isinstance(dtype_names, list) or not isinstance(shapes, list) or not (
-                len(names) == len(dtype_names) == len(shapes)):
-            raise HTTPFailure(400, "update_info needs names, dtype_names and shapes of the same length")
-        dtypes = []
-        for name, dtype, shape in zip(names, dtype_names, shapes):
-            param = self.target_params().get(name) if isinstance(name, str) else None
-            if param is None:
-                raise HTTPFailure(400, f"unknown parameter {name!r} (this server's model is {self.model_name})")
-            if name in self.staging:
-                raise HTTPFailure(400, f"parameter {name!r} was already sent in this update")
-            if DTYPES.get(dtype) != param.dtype:
-                raise HTTPFailure(400, f"parameter {name!r} announced as {dtype!r}; the server holds "
-                                       f"{str(param.dtype).split('.')[-1]}: cast before sending")
-            if not isinstance(shape, list) or list(param.shape) != shape:
-                raise HTTPFailure(400, f"parameter {name!r} announced with shape {shape}, the server's is "
-                                       f"{list(param.shape)}")
-            dtypes.append(param.dtype)
-        return names, dtypes, shapes
+            raise HTTPFailure(400, 'expected {"update_info": {"names": [...], "dtype_names": [...], "shapes": [...], '
+                                   '"spans": [[start, stop, nbytes], ...]}}')
+        manifest = PushManifest.from_json(info)
+        params = self.target_params()
+
+        def held(name: str) -> Expected | None:
+            param = params.get(name)
+            return None if param is None else Expected(param.dtype, tuple(param.shape))
+
+        dtypes = validate(manifest, held, seen=self.staging, receiver=f"this server ({self.model_name})")
+        return manifest, dtypes
 
     def update_weights(self, body: dict, query: dict) -> dict:
         import torch
 
-        from lit_grpo.wire.weight_transfer import nbytes, unpack, wait_work
+        from lit_grpo.wire.push_format import PushFormatError, receive_spans
+        from lit_grpo.wire.weight_transfer import wait_work
 
         with self._transfer():
             if self.staging is None or self.group is None:
                 raise HTTPFailure(409, "no weight update in progress: POST /start_weight_update first")
             try:
-                names, dtypes, shapes = self._announced(body)
-            except HTTPFailure as err:
+                manifest, dtypes = self._announced(body)
+            except (HTTPFailure, PushFormatError) as err:
                 # the sender's broadcast of this bucket is already under way and will never be read: the group
                 # is out of step, so it goes, and with it the partial update
                 self._drop_transfer()
                 kept = self.policy.weight_version
-                raise HTTPFailure(err.status, f"{err.message}; the update is discarded (weight version stays "
-                                              f"{kept!r}) and the transfer group is closed") from None
+                status, message = (err.status, err.message) if isinstance(err, HTTPFailure) else (400, str(err))
+                raise HTTPFailure(status, f"{message}; the update is discarded (weight version stays "
+                                          f"{kept!r}) and the transfer group is closed") from None
             device = self.transfer_device()
+            received: list[tuple[str, Any]] = []
             self.receiving = True
             try:
                 with self._on_device():
                     if self.packed:
-                        total = sum(nbytes(d, s) for d, s in zip(dtypes, shapes))
-                        buffer = self._receive_buffer(tuple(names), total, device)
-                        wait_work(self.group.broadcast(buffer, root=0), self.transfer_timeout_s)
-                        tensors = unpack(buffer, dtypes, shapes)
+                        def buffer_for(index: int, size: int) -> Any:
+                            start, stop, _ = manifest.spans[index]
+                            return self._receive_buffer(tuple(manifest.names[start:stop]), size, device)
+
+                        for names, tensors in receive_spans(manifest, dtypes, self.group, self.transfer_timeout_s,
+                                                            buffer_for):
+                            received += zip(names, tensors)
                     else:
-                        tensors = []
-                        for dtype, shape in zip(dtypes, shapes):
-                            tensors.append(torch.empty(shape, dtype=dtype, device=device))
-                            wait_work(self.group.broadcast(tensors[-1], root=0), self.transfer_timeout_s)
+                        for name, dtype, shape in zip(manifest.names, dtypes, manifest.shapes):
+                            received.append((name, torch.empty(shape, dtype=dtype, device=device)))
+                            wait_work(self.group.broadcast(received[-1][1], root=0), self.transfer_timeout_s)
             except Exception as err:  # noqa: BLE001 (sender gone, timeout: the update is dropped, the server lives)
                 self._drop_transfer()
                 kept = self.policy.weight_version
@@ -237,7 +233,7 @@ class WeightReceiver:
                                        f"stays {kept!r}) and the transfer group is closed") from err
             finally:
                 self.receiving = False
-            for name, tensor in zip(names, tensors):
+            for name, tensor in received:
                 self.staging[name] = tensor.to(self.policy.device)
         return {"message": "Weights updated"}
 

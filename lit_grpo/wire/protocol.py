@@ -18,8 +18,10 @@ The project's server (``python -m lit_grpo serve``) speaks the subset of ``vllm 
 - ``GET /get_world_size`` (1), ``POST /init_weight_transfer_engine {"init_info": {master_address,
   master_port, rank_offset: 1, world_size: 2, backend: gloo|nccl, timeout_s, packed}}``,
   ``POST /shutdown_weight_transfer_engine``, ``POST /start_weight_update``,
-  ``POST /update_weights {"update_info": {names, dtype_names, shapes}}`` (the bucket's bytes arrive over the
-  group, see ``lit_grpo.wire.weight_transfer``), ``POST /finish_weight_update {"weight_version": v}``,
+  ``POST /update_weights {"update_info": {names, dtype_names, shapes, spans}}`` (the round format of
+  ``lit_grpo.wire.push_format``, checked before anything is received: a malformed one is a 400 naming the bad
+  entries; each span's bytes arrive over the group as one broadcast, see ``lit_grpo.wire.weight_transfer``),
+  ``POST /finish_weight_update {"weight_version": v}``,
   ``POST /update_weight_version {"new_version": v}``, ``GET /weight_info``,
   ``POST /weight_checker {"action": "checksum" | "compare", "baseline": {...}}`` (SHA-256 of every parameter).
 - ``GET /health`` (no token).

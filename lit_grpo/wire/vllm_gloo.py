@@ -11,9 +11,14 @@ engine below in its workers. The trainer side is the same interface as the NCCL 
     trainer.send_weights()
 
 The wire: the trainer (rank 0) opens a ``TCPStore`` and the workers (ranks 1..) join a ``ProcessGroupGloo`` through
-it (``weight_transfer.open_store`` / ``open_group``, the same primitives as the project's own server). A round
-announces every tensor's name, dtype and shape in ``/update_weights``; both sides then cut the same list into
-buckets of at most ``bucket_bytes`` (``bucket_spans``), and each bucket travels as one ``uint8`` broadcast.
+it (``weight_transfer.open_store`` / ``open_group``, the same primitives as the project's own server). A round is
+announced once, in ``/update_weights``, in the one round format of every receiver (``lit_grpo.wire.push_format``:
+names, dtype names, shapes and the buckets' spans, cut by its packer from the source's metadata); each bucket
+travels as one ``uint8`` broadcast. Before a byte is received and before vLLM's layerwise reload puts any layer
+aside, the worker checks the round against its model (``push_format.validate`` with ``model_expectations``: every
+name one of the model's parameters, directly or as a shard of a packed one, dtypes the parameters', shapes that
+fit); a malformed round is refused with the first bad entries named, the group is closed (the trainer's broadcast
+then fails at once instead of waiting out the timeout) and the model keeps every weight it had.
 
 Authentication: vLLM guards only its ``/v1`` routes (``--api-key``); ``/init_weight_transfer_engine`` and the other
 dev routes are open to whoever reaches the port. So the worker joins a group only for an init that carries the shared
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -40,16 +45,21 @@ import torch
 import torch.distributed as dist
 
 from lit_grpo.wire.auth import push_refusal
+from lit_grpo.wire.push_format import (
+    Expected,
+    PushFormatError,
+    PushManifest,
+    receive_spans,
+    round_manifest,
+    validate,
+)
 from lit_grpo.wire.weight_transfer import (
     close_group,
-    dtype_from_name,
     dtype_name,
     local_address_towards,
-    nbytes,
     open_group,
     open_store,
     pack,
-    unpack,
     wait_work,
 )
 
@@ -58,21 +68,19 @@ BACKEND = "gloo"
 #: bytes a bucket holds at most (a larger tensor travels alone)
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 600.0
+#: seconds the trainer waits, after a failed broadcast, for the worker's answer that says why (a refused round)
+REFUSAL_WAIT_S = 10.0
 
 
-def bucket_spans(sizes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` index ranges of consecutive tensors whose bytes add up to at most ``bucket_bytes`` (a
-    larger tensor alone). Both sides compute it from the announced metadata, so they cut the stream alike."""
-    spans: list[tuple[int, int]] = []
-    start, total = 0, 0
-    for index, size in enumerate(sizes):
-        if index > start and total + size > bucket_bytes:
-            spans.append((start, index))
-            start, total = index, 0
-        total += size
-    if start < len(sizes):
-        spans.append((start, len(sizes)))
-    return spans
+def answered_error(answer: Future, wait_s: float) -> BaseException | None:
+    """The error ``answer`` (a request on a side thread) ended with, if it ends within ``wait_s``; else None."""
+    try:
+        answer.result(timeout=wait_s)
+    except TimeoutError:
+        return None
+    except Exception as err:  # noqa: BLE001 (the server's answer, whatever it is)
+        return err
+    return None
 
 
 def wait_for_peer(store: dist.Store, keys: int, answer: Future, timeout_s: float, poll_s: float = 0.01) -> None:
@@ -115,18 +123,55 @@ class GlooWeightTransferInitInfo:
     token: str | None = field(default=None, repr=False)
 
 
-@dataclass
-class GlooWeightTransferUpdateInfo:
-    """One round's tensors, in the order they travel."""
+#: one round's tensors in the order they travel and its buckets: the round format of every receiver
+#: (``lit_grpo.wire.push_format.PushManifest``), under the name the engines declare it by
+GlooWeightTransferUpdateInfo = PushManifest
 
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
 
-    def __post_init__(self) -> None:
-        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(f"names, dtype_names and shapes differ in length: {len(self.names)}, "
-                             f"{len(self.dtype_names)}, {len(self.shapes)}")
+def model_expectations(model: torch.nn.Module, tensor_parallel_size: int = 1) -> Callable[[str], Expected | None]:
+    """What a vLLM model takes under a pushed (checkpoint) name: the parameter of that name, or the packed
+    parameter a shard belongs to (``packed_modules_mapping``: ``q_proj`` -> ``qkv_proj``), after the model's own
+    name mapping (``hf_to_vllm_mapper``) where it has one. Tied and aliased parameters count under every name.
+
+    The dtype must be the parameter's. The shape must equal the parameter's where the model loads it by a plain
+    copy; a parameter with a loader of its own (vLLM's parallel and packed layers: split over tensor-parallel
+    ranks, padded, or packed from several tensors) takes a shape of the same rank whose sizes along its
+    ``output_dim`` / ``input_dim`` (a packed shard without them: dim 0) are at most the parameter's times the
+    tensor-parallel size, and equal elsewhere."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    shard_of = {shard: whole for whole, shards in packed.items() for shard in shards}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    map_name = getattr(mapper, "map_name", None) or getattr(mapper, "_map_name", None)
+
+    def resolve(name: str) -> tuple[torch.nn.Parameter | None, bool]:
+        """The parameter ``name`` loads into, and whether it is one shard of it."""
+        mapped = map_name(name) if map_name is not None else name
+        if mapped is None:  # the model's mapping drops it: its loader would skip it, nothing here takes it
+            return None, False
+        if mapped in params:
+            return params[mapped], mapped != name and name not in params
+        parts = mapped.split(".")
+        for i, part in enumerate(parts):
+            if part in shard_of:
+                whole = ".".join([*parts[:i], shard_of[part], *parts[i + 1:]])
+                if whole in params:
+                    return params[whole], True
+        return None, False
+
+    def lookup(name: str) -> Expected | None:
+        param, shard = resolve(name)
+        if param is None:
+            return None
+        loader = getattr(param, "weight_loader", None)
+        if not shard and (loader is None or getattr(loader, "__name__", "") == "default_weight_loader"):
+            return Expected(param.dtype, tuple(param.shape))
+        dims = {d for d in (getattr(param, "output_dim", None), getattr(param, "input_dim", None)) if d is not None}
+        if shard and getattr(param, "output_dim", None) is None:
+            dims.add(0)  # shards are packed along the output rows
+        return Expected(param.dtype, tuple(param.shape), tuple(sorted(dims)), max(1, int(tensor_parallel_size)))
+
+    return lookup
 
 
 def worker_rank(parallel_config: Any, rank_offset: int) -> int:
@@ -142,8 +187,9 @@ def make_worker_engine_class() -> type:
 
     class GlooWeightTransferEngine(WeightTransferEngine):
         """Receives a round's buckets by gloo broadcast and loads them with the model's ``load_weights`` inside
-        vLLM's layerwise reload (started in ``start_weight_update``, finished in ``finish_weight_update``), as
-        the NCCL backend does."""
+        vLLM's layerwise reload, as the NCCL backend does; the reload starts once the round's manifest has been
+        checked against the model (the first ``update_weights`` of the round), since it puts the layers aside, and
+        is finished in ``finish_weight_update``."""
 
         init_info_cls = GlooWeightTransferInitInfo
         update_info_cls = GlooWeightTransferUpdateInfo
@@ -155,6 +201,7 @@ def make_worker_engine_class() -> type:
             self.store: dist.Store | None = None
             self.bucket_bytes = DEFAULT_BUCKET_BYTES
             self.timeout_s = DEFAULT_TIMEOUT_S
+            self.reloading = False  # inside vLLM's layerwise reload: layers set aside until finish_weight_update
 
         def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
             # checked before the current group is dropped: a refused init leaves the engine as it was
@@ -172,34 +219,58 @@ def make_worker_engine_class() -> type:
                                     local_address_towards(init_info.master_address))
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
             # the route is open: without a group an authenticated init formed, leave the layers where they are
             if self.group is None:
                 raise RuntimeError("gloo weight transfer not initialised: an init with the server's token must "
                                    "come first")
-            initialize_layerwise_reload(self.model)
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            finalize_layerwise_reload(self.model, self.model_config)
+            if self.reloading:
+                self.reloading = False
+                finalize_layerwise_reload(self.model, self.model_config)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # the base class ends with torch.accelerator.synchronize(), which has nothing to wait for on a CPU
             # and whose CPU behaviour differs between torch releases; gloo's wait below already blocks
-            self.receive_weights(self.parse_update_info(update_info))
+            if self.group is None:
+                raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
+            try:
+                info = self.parse_update_info(update_info)
+            except (TypeError, ValueError) as err:  # unknown fields, or not a manifest at all
+                self.refuse()
+                raise PushFormatError(f"malformed weight-push round refused by the vLLM worker, nothing loaded: "
+                                      f"{err}") from None
+            self.receive_weights(info)
+
+        def expectations(self) -> Callable[[str], Expected | None]:
+            """What the model takes under each pushed name (``model_expectations``)."""
+            return model_expectations(self.model, getattr(self.parallel_config, "tensor_parallel_size", 1))
 
         def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
-            dtypes = [dtype_from_name(name) for name in update_info.dtype_names]
-            sizes = [nbytes(dtype, shape) for dtype, shape in zip(dtypes, update_info.shapes)]
-            for start, stop in bucket_spans(sizes, self.bucket_bytes):
-                buffer = torch.empty(sum(sizes[start:stop]), dtype=torch.uint8)
-                wait_work(self.group.broadcast(buffer, root=0), self.timeout_s)
-                tensors = unpack(buffer, dtypes[start:stop], update_info.shapes[start:stop])
-                self.model.load_weights(list(zip(update_info.names[start:stop], tensors)))
+            try:
+                dtypes = validate(update_info, self.expectations(), max_bucket_bytes=self.bucket_bytes,
+                                  receiver="the vLLM worker")
+            except PushFormatError:
+                self.refuse()
+                raise
+            if not self.reloading:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+                initialize_layerwise_reload(self.model)
+                self.reloading = True
+            for names, tensors in receive_spans(update_info, dtypes, self.group, self.timeout_s,
+                                                lambda index, size: torch.empty(size, dtype=torch.uint8)):
+                self.model.load_weights(list(zip(names, tensors)))
+
+        def refuse(self) -> None:
+            """After a refused round: the trainer is already broadcasting its first bucket, which nothing will read,
+            so the group goes (its broadcast fails at once instead of after the timeout); the next push forms a
+            new one."""
+            self.shutdown()
 
         def shutdown(self) -> None:
             close_group(self.group)
@@ -286,37 +357,44 @@ def make_trainer_engine_class() -> type:
                 return
             if self.group is None:
                 raise RuntimeError("trainer_init must open the group before send_weights")
-            info = GlooWeightTransferUpdateInfo([m.name for m in meta], [dtype_name(m.dtype) for m in meta],
-                                                [list(m.shape) for m in meta])
-            sizes = [nbytes(m.dtype, m.shape) for m in meta]
+            manifest = round_manifest(((m.name, m.dtype, m.shape) for m in meta), self.bucket_bytes)
             self.client.start_weight_update()
             pool = ThreadPoolExecutor(max_workers=1)
             try:
-                future = pool.submit(self.client.update_weights, asdict(info))
-                self._broadcast(meta, sizes)
+                future = pool.submit(self.client.update_weights, manifest.to_json())
+                try:
+                    self._broadcast(manifest)
+                except Exception:
+                    # a worker that refused the round closed the group, which is what failed the broadcast: its
+                    # answer says why
+                    refusal = answered_error(future, REFUSAL_WAIT_S)
+                    if refusal is not None:
+                        raise refusal from None
+                    raise
                 future.result()
             finally:
                 # a failed broadcast leaves the worker blocked in its receive: do not wait for that thread
                 pool.shutdown(wait=False)
             self.client.finish_weight_update()
 
-        def _broadcast(self, meta: list[Any], sizes: list[int]) -> None:
+        def _broadcast(self, manifest: PushManifest) -> None:
             tensors = source_tensors(self.source)
-            for start, stop in bucket_spans(sizes, self.bucket_bytes):
+            for start, stop, _ in manifest.spans:
                 bucket = []
-                for expected in meta[start:stop]:
-                    name, tensor = next(tensors, (None, None))
-                    if name != expected.name or tensor is None or tensor.dtype != expected.dtype \
-                            or tuple(tensor.shape) != tuple(expected.shape):
-                        got = None if tensor is None else (name, tensor.dtype, tuple(tensor.shape))
-                        raise ValueError(f"the weight source yielded {got} where its metadata announced "
-                                         f"{(expected.name, expected.dtype, tuple(expected.shape))}")
+                for name, dtype, shape in zip(manifest.names[start:stop], manifest.dtype_names[start:stop],
+                                              manifest.shapes[start:stop]):
+                    got, tensor = next(tensors, (None, None))
+                    if got != name or tensor is None or dtype_name(tensor.dtype) != dtype \
+                            or list(tensor.shape) != shape:
+                        seen = None if tensor is None else (got, dtype_name(tensor.dtype), list(tensor.shape))
+                        raise ValueError(f"the weight source yielded {seen} where its metadata announced "
+                                         f"{(name, dtype, shape)}")
                     bucket.append(tensor)
                 wait_work(self.group.broadcast(pack(bucket, torch.device("cpu")), root=0), self.timeout_s)
             extra = next(tensors, None)
             if extra is not None:
-                raise ValueError(f"the weight source yielded {extra[0]!r} beyond the {len(meta)} tensors its "
-                                 "metadata announced")
+                raise ValueError(f"the weight source yielded {extra[0]!r} beyond the {len(manifest.names)} tensors "
+                                 "its metadata announced")
 
         def shutdown(self) -> None:
             # runs after a failed push, at ServerEngine.close and again at exit: a second call finds nothing left.

@@ -3,9 +3,11 @@ sides use (``weight_push`` is the trainer's side of a push, ``weight_receive`` t
 
 The two processes form a process group of their own, never the trainer's: a ``TCPStore`` that the trainer's
 rank 0 opens (it is rank 0 of the group, the server rank 1), and a ``ProcessGroupGloo`` (CPU) or
-``ProcessGroupNCCL`` (GPU) over a ``PrefixStore``. A push announces one bucket of tensors over HTTP
-(names, dtypes, shapes) and sends its bytes with one ``broadcast`` from rank 0: the bucket's tensors are packed
-back to back into one ``uint8`` buffer (``pack`` / ``unpack``), so a bucket costs one collective.
+``ProcessGroupNCCL`` (GPU) over a ``PrefixStore``. A push announces its tensors over HTTP in the one round format
+of every receiver (``lit_grpo.wire.push_format``: names, dtypes, shapes and the buckets' spans, checked by the
+receiver before a byte arrives) and sends each bucket's bytes with one ``broadcast`` from rank 0: the bucket's
+tensors are packed back to back into one ``uint8`` buffer (``pack`` / ``unpack``), so a bucket costs one
+collective.
 
 A transfer that does not finish raises instead of hanging: each side waits on the broadcast's work with the
 group's timeout (``wait_work``), and an NCCL group is built with blocking wait and with a timeout that aborts the

@@ -189,9 +189,14 @@ def policy_source(policy: nn.Module, dtype: torch.dtype) -> Any:
 
     from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
+    from lit_grpo.wire.push_format import check_round
+
     def metadata(self: Any) -> list:
-        return [ParamMeta(name, dtype if p.is_floating_point() else p.dtype, tuple(p.shape))
+        meta = [ParamMeta(name, dtype if p.is_floating_point() else p.dtype, tuple(p.shape))
                 for name, p in pushed_parameters(policy)]
+        # the round's own check (vLLM's NCCL receiver checks nothing before loading: lit_grpo.wire.push_format)
+        check_round((m.name, m.dtype, m.shape) for m in meta)
+        return meta
 
     def tensors(self: Any) -> Iterator[tuple[str, torch.Tensor]]:
         current, self.current = self.current, None

@@ -241,22 +241,21 @@ class WeightPusher:
         server.attach_group(joined["group"], store, listener)
 
     def _payload(self, bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[dict, list[torch.Tensor]]:
-        """A bucket's announcement (``update_info``) and the tensors that carry its bytes: one packed ``uint8``
-        tensor (a view when the tensors already lie back to back, as ``rank0_buckets`` leaves them; else written
-        into a buffer kept across buckets and pushes), or the tensors themselves."""
-        from lit_grpo.wire.weight_transfer import dtype_name, pack, packed_view
+        """A bucket's announcement (``update_info``: the round format of ``lit_grpo.wire.push_format``, one span)
+        and the tensors that carry its bytes: one packed ``uint8`` tensor (a view when the tensors already lie back
+        to back, as ``rank0_buckets`` leaves them; else written into a buffer kept across buckets and pushes), or
+        the tensors themselves."""
+        from lit_grpo.wire.push_format import bucket_manifest, pack_bucket
+        from lit_grpo.wire.weight_transfer import packed_view
 
-        tensors = [t for _, t in bucket]
-        info = {"names": [name for name, _ in bucket], "dtype_names": [dtype_name(t.dtype) for t in tensors],
-                "shapes": [list(t.shape) for t in tensors]}
         if not self.packed:
-            return info, [t.contiguous() for t in tensors]
-        view = packed_view(tensors, device)
-        if view is not None:
-            return info, [view]
-        if len(tensors) > 1 and (self._pack_buffer is None or self._pack_buffer.device != device):
+            return bucket_manifest(bucket).to_json(), [t.contiguous() for _, t in bucket]
+        # the packing buffer only for a bucket that is not already one view (no memory held for nothing)
+        if len(bucket) > 1 and packed_view([t for _, t in bucket], device) is None and (
+                self._pack_buffer is None or self._pack_buffer.device != device):
             self._pack_buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
-        return info, [pack(tensors, device, self._pack_buffer)]
+        manifest, packed = pack_bucket(bucket, device, self._pack_buffer)
+        return manifest.to_json(), [packed]
 
     def _send(self, server: ServerConnection, info: dict, payload: list[torch.Tensor]) -> None:
         """Announce a bucket over HTTP (main thread, with a timeout) while its bytes go out on a daemon thread.
