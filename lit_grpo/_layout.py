@@ -78,7 +78,9 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 class CheckoutFolders(importlib.abc.MetaPathFinder):
     """Finds ``lit_grpo.callbacks`` and ``lit_grpo.configs`` in a checkout's top-level folders. Consulted after
-    every other finder, so an installed or editable copy's own mapping always wins."""
+    every other finder, so an installed or editable copy's own mapping always wins. Only a checkout counts (its
+    ``pyproject.toml`` beside the folders): beside an installed copy, in site-packages, a ``configs`` or
+    ``callbacks`` folder is some other distribution's top-level package."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -87,7 +89,7 @@ class CheckoutFolders(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         folder = TOP_LEVEL_FOLDERS.get(fullname)
         init = self.root / folder / "__init__.py" if folder else None
-        if init is None or not init.is_file():
+        if init is None or not init.is_file() or not (self.root / "pyproject.toml").is_file():
             return None
         return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(init.parent)])
 

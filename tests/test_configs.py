@@ -1,5 +1,6 @@
 """Every shipped config parses: the stand-alone ones alone, the overlays (a Table 1 row, a REC loss, a REC
-off-policy setting, the server) stacked on the paper's base config, as the README starts them."""
+off-policy setting, the server) stacked on the paper's base config, as the README starts them, and the longer stacks
+as ``python -m lit_grpo configs`` lists them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from lit_grpo.cli.configs import shipped
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -39,6 +42,26 @@ def test_overlay_config_parses_on_the_base_and_wins(path, monkeypatch, capsys):
     overlay = yaml.safe_load(path.read_text())
     for section in ("model", "sync", "data"):  # the overlay's values override the base's
         for key, value in (overlay.get(section) or {}).items():
+            if not isinstance(value, dict):
+                assert config[section][key] == value, (section, key)
+
+
+# the stacks of three configs that `python -m lit_grpo configs` lists (from each config's usage comment): a REC
+# setting after a loss, the server after a Table 1 row
+STACKS = sorted({tuple(config.stack) for config in shipped().values() if len(config.stack) > 2})
+
+
+def test_the_stacks_of_three_are_found():
+    assert {stack[-1] for stack in STACKS} == {"gsm8k/server", "rec/settings/mixed", "rec/settings/on_policy",
+                                              "rec/settings/one_step_stale"}
+
+
+@pytest.mark.parametrize("stack", STACKS, ids="+".join)
+def test_a_listed_stack_of_three_parses_and_the_last_wins(stack, monkeypatch, capsys):
+    config = print_config([CONFIGS / f"{name}.yaml" for name in stack], monkeypatch, capsys)
+    last = yaml.safe_load((CONFIGS / f"{stack[-1]}.yaml").read_text())
+    for section in ("model", "sync", "data"):
+        for key, value in (last.get(section) or {}).items():
             if not isinstance(value, dict):
                 assert config[section][key] == value, (section, key)
 

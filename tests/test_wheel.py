@@ -1,5 +1,6 @@
 """What a normal (non-editable) install gets: the wheel built from the tracked files holds exactly the package's
-tracked modules (``callbacks/`` as ``lit_grpo.callbacks``) and its data assets, and a copy installed from that wheel
+tracked modules (``callbacks/`` as ``lit_grpo.callbacks``), its data assets and the shipped configs (``configs/``
+as ``lit_grpo.configs``), and a copy installed from that wheel
 imports every module, answers ``serve --help``, and serves and trains asynchronously on its own.
 
 The rest of the suite runs against the editable install, whose import hook serves any module from the source tree,
@@ -13,7 +14,6 @@ import csv
 import json
 import os
 import select
-import shutil
 import subprocess
 import sys
 import time
@@ -23,22 +23,17 @@ from pathlib import Path
 
 import pytest
 from server_process import READY
+from wheel_install import GUARD, built_wheel, run, tracked_files
 
 from lit_grpo.cli.commands import TOOLS
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "lit_grpo"
 # where a tracked file lies in the checkout -> where it lies in the wheel (pyproject.toml's package-dir); a folder
 # moved into lit_grpo/ simply stops matching its entry
-INSTALLED_AS = {"lit_grpo/": "lit_grpo/", "callbacks/": "lit_grpo/callbacks/"}
-DATA_FOLDERS = ("lit_grpo/data/assets/",)  # package data: every tracked file under it is installed
-
-# Removes the editable install's import hook in the processes started from the installed copy: the hook finds a
-# submodule of `lit_grpo` in the source tree whenever the installed copy lacks it, which would hide the very bug
-# these tests look for.
-GUARD = '''import sys
-sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-'''
+INSTALLED_AS = {"lit_grpo/": "lit_grpo/", "callbacks/": "lit_grpo/callbacks/", "configs/": "lit_grpo/configs/"}
+# package data (pyproject.toml's package-data): folder -> how the name of a tracked file under it that is installed
+# ends ("": every file)
+DATA = {"lit_grpo/data/assets/": "", "configs/": ".yaml"}
 
 # imports the given modules and prints those of the package that were loaded from outside the installed copy
 IMPORT_CHECK = '''import importlib, json, sys
@@ -53,36 +48,23 @@ print(json.dumps({"lit_grpo": importlib.import_module("lit_grpo").__file__, "out
 '''
 
 
-def tracked_files() -> list[str]:
-    """The tracked files present in the work tree, with their uncommitted edits (a file deleted but not yet
-    ``git rm``-ed is left out, as a build from the work tree would)."""
-    try:
-        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout: the tracked files are unknown")
-    return [name for name in out.decode().split("\0") if name and (ROOT / name).is_file()]
-
-
 def expected_wheel_files(tracked: list[str]) -> set[str]:
     """The package files the wheel must hold: every tracked module under a package folder, renamed as installed,
     and every tracked data file."""
     expected = set()
     for name in tracked:
         for source, target in INSTALLED_AS.items():
-            if name.startswith(source) and (name.endswith(".py") or name.startswith(DATA_FOLDERS)):
+            if name.startswith(source) and (name.endswith(".py") or is_data(name)):
                 expected.add(target + name[len(source):])
     return expected
 
 
+def is_data(name: str) -> bool:
+    return any(name.startswith(folder) and name.endswith(suffix) for folder, suffix in DATA.items())
+
+
 def module_name(wheel_file: str) -> str:
     return wheel_file.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-
-
-def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kwargs)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n" \
-                                 f"{proc.stderr[-3000:]}"
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -92,17 +74,8 @@ def tracked() -> list[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tracked, tmp_path_factory) -> Path:
-    """The wheel built from a copy of the tracked files only: a stale build/ or *.egg-info of the checkout, or an
-    untracked module, cannot leak into it. No build isolation: setuptools comes from this environment, offline."""
-    root = tmp_path_factory.mktemp("wheel")
-    source, dist = root / "source", root / "dist"
-    for name in tracked:
-        (source / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, source / name)
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "--disable-pip-version-check", "--wheel-dir", str(dist), str(source)])
-    (built,) = dist.glob("*.whl")
-    return built
+    """The wheel built from a copy of the tracked files only (built once a session: wheel_install.py)."""
+    return built_wheel(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +116,9 @@ def test_the_wheel_holds_exactly_the_tracked_modules_and_data(wheel, tracked):
     # the expectation itself is not empty, and holds the module `python -m lit_grpo serve` runs
     assert f"{PACKAGE}/__init__.py" in expected
     assert TOOLS["serve"].replace(".", "/") + ".py" in expected
+    # and the configs `python -m lit_grpo configs` prints, subfolders included
+    assert {"lit_grpo/configs/__init__.py", "lit_grpo/configs/demo_cpu.yaml", "lit_grpo/configs/gsm8k/base.yaml",
+            "lit_grpo/configs/rec/settings/mixed.yaml"} <= expected
     with zipfile.ZipFile(wheel) as archive:
         names = {name for name in archive.namelist() if not name.split("/")[0].endswith(".dist-info")}
         top_level = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/top_level.txt")))

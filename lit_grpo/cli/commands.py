@@ -25,7 +25,7 @@ DEBUG_ENV = "LIT_GRPO_DEBUG"
 
 #: subcommands that are not Trainer methods -> the module whose ``main(argv)`` runs them
 TOOLS: dict[str, str] = {"export": "lit_grpo.cli.export", "eval": "lit_grpo.cli.eval",
-                         "serve": "lit_grpo.serve.server"}
+                         "serve": "lit_grpo.serve.server", "configs": "lit_grpo.cli.configs"}
 #: every other subcommand (fit, validate, test, predict) and no subcommand at all: LightningCLI, through the
 #: ``train(args)`` of this module
 TRAINING = "lit_grpo.cli.lightning_cli"
