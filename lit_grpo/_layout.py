@@ -28,7 +28,8 @@ from types import ModuleType
 MOVED: dict[str, str] = {
     "lit_grpo.cli_errors": "lit_grpo.cli.errors",
     "lit_grpo.cli_hooks": "lit_grpo.cli.hooks",
-    "lit_grpo.cli_subcommands": "lit_grpo.cli.subcommands",
+    "lit_grpo.cli_subcommands": "lit_grpo.cli.predict",
+    "lit_grpo.cli.subcommands": "lit_grpo.cli.predict",
     "lit_grpo.commands": "lit_grpo.cli.commands",
     "lit_grpo.eval_command": "lit_grpo.cli.eval",
     "lit_grpo.export": "lit_grpo.cli.export",

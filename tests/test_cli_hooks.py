@@ -1,10 +1,11 @@
 """The Lightning and jsonargparse internals the CLI's one-line errors rely on (lit_grpo/cli/hooks.py) still hold
-with the installed versions; when one does not, the failure names the versions and the hook.
+with the installed versions, checked through the behaviour each serves; a failure names the versions.
 
 The errors themselves, end to end, are tests/test_cli_errors.py."""
 
 from argparse import ArgumentError
 
+import jsonargparse
 import lightning
 import pytest
 from lightning.pytorch import Callback, LightningDataModule, LightningModule
@@ -12,21 +13,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_grpo.cli import hooks as cli_hooks
 
-
-def test_every_hook_holds_for_the_installed_versions():
-    cli_hooks.check()  # raises HookBroken naming the versions and the hook
-
-
-def test_a_broken_hook_names_the_versions_and_the_hook(monkeypatch):
-    # as if LightningCLI.__init__ parsed the checkpoint's hyperparameters after building the classes
-    monkeypatch.setattr(cli_hooks, "HPARAMS_BETWEEN", ("parse_arguments", "before_instantiate_classes",
-                                                       "_parse_ckpt_path"))
-    with pytest.raises(cli_hooks.HookBroken) as broken:
-        cli_hooks.check()
-    message = str(broken.value)
-    assert f"lightning {lightning.__version__}" in message and "jsonargparse" in message
-    assert "LightningCLI.__init__" in message and "cli/hooks.py" in message
-
+VERSIONS = f"lightning {lightning.__version__}, jsonargparse {jsonargparse.__version__}"
 
 built: list[str] = []
 
@@ -55,7 +42,7 @@ class ToyCLI(LightningCLI):
         parser.add_lightning_class_args(ToyCallback, "toy")
 
     def instantiate_classes(self) -> None:
-        assert cli_hooks.build_model_last(self.parser), f"build_model_last did nothing ({cli_hooks.versions()})"
+        assert cli_hooks.build_model_last(self.parser), f"build_model_last did nothing ({VERSIONS})"
         super().instantiate_classes()
 
 
@@ -76,7 +63,7 @@ def toy(tmp_path, monkeypatch):
 def test_the_model_is_built_after_the_data_module_and_the_callback_sections(toy):
     toy()
     assert built[-1] == "model" and sorted(built) == ["callback", "data", "model"], (
-        f"build_model_last no longer orders what jsonargparse builds ({cli_hooks.versions()}): {built}")
+        f"build_model_last no longer orders what jsonargparse builds ({VERSIONS}): {built}")
 
 
 def test_the_object_under_construction_is_found_through_jsonargparse(toy):
@@ -84,7 +71,7 @@ def test_the_object_under_construction_is_found_through_jsonargparse(toy):
         toy("--toy.every", "0")
     owner = cli_hooks.object_under_construction(err.value, (Callback, LightningDataModule, LightningModule))
     assert isinstance(owner, ToyCallback), (
-        f"the failing constructor's `self` is not in the traceback ({cli_hooks.versions()})")
+        f"the failing constructor's `self` is not in the traceback ({VERSIONS})")
     assert "model" not in built  # and the model was never built
 
 
@@ -94,4 +81,20 @@ def test_a_parse_error_names_its_key():
     with pytest.raises(ArgumentError) as err:
         parser.parse_args(["--model.width", "wide"])
     assert cli_hooks.key_of_parse_error(str(err.value)) == "model.width", (
-        f"jsonargparse's message no longer names the key ({cli_hooks.versions()}): {err.value}")
+        f"jsonargparse's message no longer names the key ({VERSIONS}): {err.value}")
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate", "predict"])
+def test_predict_alone_has_the_predictions_section(subcommand, tmp_path, monkeypatch, capsys):
+    """GRPOCLI extends LightningCLI._prepare_subcommand_parser(klass, subcommand) to give predict its options."""
+    from lit_grpo.cli.commands import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["lit_grpo"])
+    with pytest.raises(SystemExit) as exit_:
+        main([subcommand, "--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    assert f"python -m lit_grpo [options] {subcommand}" in help_text  # the usage says how the CLI is run
+    assert ("--predictions.output" in help_text) == (subcommand == "predict"), (
+        f"_prepare_subcommand_parser no longer builds each subcommand's parser ({VERSIONS})")

@@ -10,7 +10,7 @@ import pytest
 from cli_runner import no_model, one_line_error
 from conftest import TOY_REWARD, tiny_module, tiny_trainer
 
-from lit_grpo.cli.errors import MOVED_OPTIONS, option_hint
+from lit_grpo.cli.option_hints import MOVED_OPTIONS, option_hint
 
 TINY = ["--model.model_name", "tiny-random-llama", "--data.rewards", f"[{TOY_REWARD}]", "--data.prompts_per_step",
         "2", "--data.num_generations", "4", "--data.micro_batch_size", "4", "--data.max_new_tokens", "8",

@@ -1,5 +1,6 @@
-"""``python -m lit_grpo export|eval|serve`` import only what the command needs: their ``--help`` and a bad
-argument answer without torch or Lightning (the time it takes is measured by hand, not tested here)."""
+"""``python -m lit_grpo --help`` and ``python -m lit_grpo export|eval|serve|plots`` import only what the command
+needs: the list of commands, the tools' ``--help`` and a bad argument answer without torch or Lightning (the time it
+takes is measured by hand, not tested here)."""
 
 import json
 import subprocess
@@ -28,7 +29,7 @@ def probe(*args: str, cwd) -> tuple[dict, str, str]:
     return json.loads(last), "\n".join(out), proc.stderr
 
 
-@pytest.mark.parametrize("command", ["export", "eval", "serve"])
+@pytest.mark.parametrize("command", ["export", "eval", "serve", "plots"])
 def test_help_imports_neither_torch_nor_lightning(command, tmp_path):
     result, out, err = probe(command, "--help", cwd=tmp_path)
     assert result == {"code": 0, "loaded": []}, err[-2000:]
@@ -55,6 +56,35 @@ def test_python_m_lit_grpo_dispatches_through_the_light_entry(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lit_grpo", "export", "--help"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "usage: python -m lit_grpo export" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_top_level_help_lists_every_command_before_torch_loads(flag, tmp_path):
+    from lit_grpo.cli.commands import COMMANDS, TOOLS
+
+    result, out, err = probe(flag, cwd=tmp_path)
+    assert result == {"code": 0, "loaded": []}, err[-2000:]
+    assert set(COMMANDS) == {"fit", "validate", "test", "predict", *TOOLS}  # every command is described
+    assert {"serve", "eval", "export", "configs", "plots"} <= set(TOOLS)
+    for name, what in COMMANDS.items():
+        assert f"  {name}  " in out and what in out, name
+    assert out.startswith("usage: python -m lit_grpo COMMAND") and "__main__" not in out
+    assert "Run inference on your data" not in out  # Lightning's own texts are not the project's
+    assert "python -m lit_grpo configs NAME > my.yaml" in out
+
+
+def test_python_m_lit_grpo_help_names_the_program(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "lit_grpo", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m lit_grpo"), proc.stderr
+    assert "__main__" not in proc.stdout
+
+
+def test_plots_is_a_command(tmp_path):
+    result, _, err = probe("plots", str(tmp_path / "no_run"), cwd=tmp_path)
+    lines = err.strip().splitlines()
+    assert result["code"] == 2 and len(lines) == 1, err
+    assert "no TensorBoard event files" in lines[0] and "no_run" in lines[0]
 
 
 def test_training_subcommands_go_to_lightning_cli(monkeypatch):

@@ -1,12 +1,11 @@
 """``python -m lit_grpo COMMAND ...``: which module runs a command, imported only once that command is chosen.
 
 ``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's (:func:`lit_grpo.cli.lightning_cli.train`;
-:mod:`lit_grpo.cli.lightning_cli`
-imports Lightning and the training stack). ``export``, ``eval`` and ``serve`` are tools, each a module with
-``main(argv)`` that builds its argparse parser before it imports torch, so that their ``--help`` and a bad argument
-answer without loading the training stack. :func:`main` is the one place that tells them apart:
-``lit_grpo.cli.lightning_cli``'s
-``main`` and ``run`` are this module's.
+:mod:`lit_grpo.cli.lightning_cli` imports Lightning and the training stack). ``serve``, ``eval``, ``export``,
+``configs`` and ``plots`` are tools (:data:`TOOLS`), each a module with ``main(argv)`` that builds its argparse parser
+before it imports torch, so that their ``--help`` and a bad argument answer without loading the training stack.
+:func:`main` is the one place that tells them apart (``lit_grpo.cli.lightning_cli``'s ``main`` and ``run`` are this
+module's), and answers ``python -m lit_grpo --help`` itself, from :data:`COMMANDS`, without importing torch.
 
 A bad value ends the program with one line on stderr, ``error: <what> (<where it came from>)``, and exit status 2;
 ``LIT_GRPO_DEBUG=1`` shows the traceback instead. This module holds that convention, for the tools and for
@@ -25,10 +24,24 @@ DEBUG_ENV = "LIT_GRPO_DEBUG"
 
 #: subcommands that are not Trainer methods -> the module whose ``main(argv)`` runs them
 TOOLS: dict[str, str] = {"export": "lit_grpo.cli.export", "eval": "lit_grpo.cli.eval",
-                         "serve": "lit_grpo.serve.server", "configs": "lit_grpo.cli.configs"}
+                         "serve": "lit_grpo.serve.server", "configs": "lit_grpo.cli.configs",
+                         "plots": "lit_grpo.cli.plots"}
 #: every other subcommand (fit, validate, test, predict) and no subcommand at all: LightningCLI, through the
 #: ``train(args)`` of this module
 TRAINING = "lit_grpo.cli.lightning_cli"
+PROG = "python -m lit_grpo"
+#: every command -> what it does, in one line: ``python -m lit_grpo --help``
+COMMANDS: dict[str, str] = {
+    "fit": "train the policy with GRPO from a config (python -m lit_grpo fit --config configs/demo_cpu.yaml)",
+    "validate": "Pass@k of the `eval` section on its split (eval.split), for the model or a --ckpt_path checkpoint",
+    "test": "Pass@k of the `eval` section on the test split, for the model or a --ckpt_path checkpoint",
+    "predict": "sample completions of the `predictions` section's prompts, with their rewards, into a JSONL file",
+    "serve": "run a rollout server, which a trainer with data.engine server samples from",
+    "eval": "Pass@k of a model or of a checkpoint's policy, without a config",
+    "export": "write a checkpoint's policy (or a model alias) as a Hugging Face model directory",
+    "configs": "list the shipped configs, or print one (python -m lit_grpo configs NAME > my.yaml)",
+    "plots": "plot runs' TensorBoard scalars to a PNG (python -m lit_grpo plots RUN_DIR -o out.png)",
+}
 
 
 class UsageError(Exception):
@@ -66,10 +79,22 @@ def run_tool(name: str, argv: Sequence[str]) -> None:
         fail(UsageError(str(err), " ".join([name, *argv])))
 
 
+def usage() -> str:
+    """The text of ``python -m lit_grpo --help``: every command with what it does."""
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: {PROG} COMMAND [OPTIONS]", f"       {PROG} COMMAND --help", "", "commands:"]
+    lines += [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
+    lines += ["", f"A bad value ends with one line on stderr and exit status 2 ({DEBUG_ENV}=1: the traceback)."]
+    return "\n".join(lines)
+
+
 def main(args: Sequence[str] | None = None) -> Any:
-    """Run the command line ``args`` (default: ``sys.argv[1:]``): a tool, or LightningCLI for everything else
-    (its return value, the CLI object, is passed on)."""
+    """Run the command line ``args`` (default: ``sys.argv[1:]``): the list of commands for ``--help``, a tool, or
+    LightningCLI for everything else (its return value, the CLI object, is passed on)."""
     argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        raise SystemExit(0)
     if argv and argv[0] in TOOLS:
         run_tool(argv[0], argv[1:])
         return None

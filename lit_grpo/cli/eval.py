@@ -2,9 +2,9 @@
 training.
 
 It runs :func:`lit_grpo.evaluation.pass_at_k.evaluate_pass_at_k`, the implementation behind the ``GSM8KPassAtK``
-callback,
-with the callback's defaults (judge, prompts, chunking and seeding), so the command and the callback report the
-same numbers for the same weights and settings. Prints a table and writes it as JSON.
+callback and the training CLI's ``validate`` and ``test``, with the callback's defaults (judge, prompts, chunking and
+seeding), so all of them report the same numbers for the same weights and settings. Prints the table they print and
+writes it as JSON.
 
 The parser is built before anything heavy is imported (torch, the data and evaluation modules are imported once
 the arguments parse), so that ``eval --help`` and a bad argument answer without loading them.
@@ -80,11 +80,10 @@ def main(argv: Sequence[str]) -> dict:
     import torch
 
     from lit_grpo.core.checkpoints import CheckpointError
-    from lit_grpo.data.gsm8k import load_gsm8k
     from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
     from lit_grpo.data.rewards import RewardRunner
     from lit_grpo.engines.base import SamplingConfig
-    from lit_grpo.evaluation.pass_at_k import PassAtKSettings, evaluate_pass_at_k
+    from lit_grpo.evaluation.pass_at_k import PassAtKSettings, evaluate_pass_at_k, evaluation_rows, pass_at_k_table
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     settings = PassAtKSettings(
@@ -94,8 +93,7 @@ def main(argv: Sequence[str]) -> dict:
         system_prompt=None if args.no_system_prompt else DEFAULT_SYSTEM_PROMPT, seed=args.seed,
     )
     judge = RewardRunner([(args.judge, 1.0)])  # an unknown reward fails here, before the model loads
-    rows = load_gsm8k(args.dataset, split=args.split)
-    rows = rows if args.num_questions is None else rows[: args.num_questions]
+    rows = evaluation_rows(args.dataset, args.split, args.num_questions)
     if args.ckpt and not Path(args.ckpt).exists():
         raise CheckpointError(f"checkpoint {args.ckpt} does not exist")
     model, tokenizer = load_policy(args)
@@ -107,9 +105,7 @@ def main(argv: Sequence[str]) -> dict:
               "questions": len(rows), "num_samples": args.num_samples, "temperature": args.temperature,
               "max_new_tokens": args.max_new_tokens, "seed": args.seed, "seconds": seconds,
               "pass_at_k": {str(k): v for k, v in results.items()}}
-    print(f"{'k':>4}  pass@k   ({len(rows)} questions x {args.num_samples} samples, {seconds:.1f} s)")
-    for k, value in results.items():
-        print(f"{k:>4}  {value:.4f}")
+    print(pass_at_k_table(results, len(rows), args.num_samples, seconds))
     Path(args.output).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.output}")
     return report

@@ -2,8 +2,8 @@
 method's callbacks as config sections of their own and the links that keep one sampling config and one seed.
 
 ``validate`` and ``test`` report the ``eval`` section's Pass@k (``validate`` on ``eval.split``, ``test`` on the test
-split) and ``predict`` writes completions to a JSONL file (the ``predictions`` section): see
-:mod:`lit_grpo.cli.subcommands`. ``--optimizer`` and ``--lr_scheduler`` are not offered (the module's
+split; :mod:`lit_grpo.evaluation.pass_at_k`) and ``predict`` writes completions to a JSONL file (the ``predictions``
+section; :mod:`lit_grpo.cli.predict`). ``--optimizer`` and ``--lr_scheduler`` are not offered (the module's
 ``model.optimizer`` group builds AdamW and its schedule); ``trainer.gradient_clip_val`` is applied as
 ``model.gradient_clip_val``; ``trainer.accumulate_grad_batches`` is refused in one line.
 
@@ -22,21 +22,21 @@ import warnings
 from typing import Any
 
 from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
-from lit_grpo.cli.commands import DEBUG_ENV, TOOLS, UsageError, main, one_line, run
-from lit_grpo.cli.errors import OneLineErrorsCLI, report_usage_errors
+from lit_grpo.cli.commands import DEBUG_ENV, PROG, TOOLS, UsageError, main, one_line, run
+from lit_grpo.cli.errors import OneLineErrorsCLI, held_back, report_usage_errors
 from lit_grpo.cli.hooks import build_model_last
-from lit_grpo.cli.subcommands import (
-    PredictOptions,
-    evaluation_rows,
-    log_pass_at_k,
-    pass_at_k,
-    pass_at_k_table,
-    prediction_rows,
-    predictions,
-    write_jsonl,
-)
+from lit_grpo.cli.predict import PredictOptions, prediction_rows, predictions, write_jsonl
+from lit_grpo.cli.progress import default_progress_bar
+from lit_grpo.core.checkpoints import CheckpointError
+from lit_grpo.core.quiet import quiet_lightning
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.engines.vllm_install import TRAINER_SIDE_IMPORTS, alias_refusal, vllm_problem
+from lit_grpo.evaluation.pass_at_k import (
+    evaluate_pass_at_k_float32,
+    evaluation_rows,
+    log_pass_at_k,
+    pass_at_k_table,
+)
 from lit_grpo.training.module import GRPOModule
 from lit_grpo.training.precision import check_trainer_precision
 from lit_grpo.training.trainer_knobs import trainer_knob_error
@@ -113,7 +113,8 @@ class GRPOCLI(OneLineErrorsCLI):
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any):  # noqa: ANN202
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
-        if subcommand == "predict":  # its options only (lit_grpo.cli.hooks: hook 5)
+        # add_arguments_to_parser is called for every subcommand alike: predict alone gets its options here
+        if subcommand == "predict":
             parser.add_class_arguments(PredictOptions, "predictions")
         return parser
 
@@ -133,13 +134,20 @@ class GRPOCLI(OneLineErrorsCLI):
             if (error := seed_error(value)) is not None:
                 raise UsageError(f"{SEED_ENV}={env!r} {error}", "the environment")
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        # the default bar counts steps out of max_steps (lit_grpo.cli.progress), unless a bar is given or turned off
+        if (bar := default_progress_bar(config, callbacks)) is not None:
+            callbacks = [*callbacks, bar]
+        return super()._instantiate_trainer(config, callbacks)
+
     def instantiate_classes(self) -> None:
         # build the model last, so that a bad value of the data module or a callback group (cheap to build, and
         # checking their values) fails before a model is loaded
         build_model_last(self._parser(self.subcommand))
         super().instantiate_classes()
 
-    def check_values(self) -> None:
+    def before_instantiate_classes(self) -> None:
+        """Refuse, in one line, values that Lightning or a callback would refuse only after the model loaded."""
         self._check_no_second_section_callback()
         self._map_trainer_knobs()
         self._check_lora_sync()
@@ -235,11 +243,53 @@ class GRPOCLI(OneLineErrorsCLI):
             raise UsageError(f"{self.subcommand} runs in one process: set trainer.devices 1 (and trainer.num_nodes 1),"
                              f" got devices={devices!r}, num_nodes={nodes!r}", self._where("trainer.devices"))
 
-    # ---- validate / test / predict (lit_grpo.cli.subcommands) -------------------------------------------
+    # ---- the --ckpt_path checkpoint, read while parsing (OneLineErrorsCLI) ---------------------------------
+    def before_fit(self) -> None:
+        """Refuse a checkpoint that this run cannot resume from before Lightning loads it, with a traceback."""
+        if (checkpoint := self._checkpoint) is None:
+            return
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        strategy = self.trainer.strategy
+        if checkpoint.sharded and not isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+            raise UsageError(
+                f"checkpoint {checkpoint.path} is a sharded directory, which only trainer.strategy "
+                f"ModelParallelStrategy or FSDPStrategy can resume from (this run uses {type(strategy).__name__}); "
+                "`python -m lit_grpo export` reads it anywhere", self._where("ckpt_path"))
+        try:  # the module's layout (pi_ref may not exist yet), against the file
+            checkpoint.check_fits(self.model.checkpoint_layout(), strict=self.model.strict_loading)
+        except CheckpointError as err:
+            raise UsageError(str(err), self._where("ckpt_path")) from err
+        self._checkpoint = None  # Lightning reads the file itself; no need to keep it mapped during training
+        held_back.stop()
+
     def before_validate(self) -> None:
-        """The checkpoint is read by the subcommand itself (its policy only, any layout); nothing to check."""
+        """The checkpoint is read by the subcommand itself (its policy only, any layout): nothing to check."""
 
     before_test = before_predict = before_validate
+
+    def _policy_from_checkpoint(self, policy: Any, prefix: str = "policy.") -> int:
+        """Load the ``--ckpt_path`` checkpoint's policy tensors (``prefix``) into ``policy``, as ``validate``,
+        ``test`` and ``predict`` read weights; returns the checkpoint's ``global_step`` (0 without a checkpoint).
+        A keyword (``last``, ``best``) or a checkpoint that does not fit is a usage error."""
+        ckpt_path, checkpoint, self._checkpoint = self._subcommand_config().get("ckpt_path"), self._checkpoint, None
+        if ckpt_path and checkpoint is None:
+            raise UsageError(f"ckpt_path {ckpt_path!r}: {self.subcommand} reads a checkpoint file or sharded "
+                             f"directory; `last` and `best` are resolved by fit only: name the file",
+                             self._where("ckpt_path"))
+        if checkpoint is not None:
+            from lit_grpo.cli.export import tied_aliases
+
+            expected = policy.state_dict()
+            try:
+                checkpoint.check_fits(expected, prefix=prefix, optional=tied_aliases(policy))
+                policy.load_state_dict(checkpoint.tensors(prefix, like=expected), strict=False)
+            except CheckpointError as err:
+                raise UsageError(str(err), self._where("ckpt_path")) from err
+        held_back.stop()
+        return int(checkpoint.meta.get("global_step", 0)) if checkpoint is not None else 0
+
+    # ---- validate / test (lit_grpo.evaluation.pass_at_k) and predict (lit_grpo.cli.predict) -------------
 
     def validate(self, model: GRPOModule, datamodule: Any = None, ckpt_path: str | None = None,
                  verbose: bool = True, **_: Any) -> dict[int, float]:
@@ -258,7 +308,8 @@ class GRPOCLI(OneLineErrorsCLI):
         device = self._device(model)
         step = self._policy_from_checkpoint(model.policy)
         start = time.perf_counter()
-        self.results = pass_at_k(model.policy, model.tokenizer, rows, callback.settings, callback.judge, device)
+        self.results = evaluate_pass_at_k_float32(model.policy, model.tokenizer, rows, callback.settings,
+                                                  callback.judge, device)
         seconds = time.perf_counter() - start
         log_pass_at_k(self.trainer.loggers, self.results, step)
         if verbose:
@@ -310,8 +361,10 @@ def train(args: list[str] | None = None) -> GRPOCLI:
     # A checkpoint taken after a training step holds the state after all of that step's optimizer steps,
     # together with the data position and counters of the same moment: exactly what an exact resume needs.
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+    quiet_lightning()
     return report_usage_errors(
         # auto_configure_optimizers=False: no --optimizer / --lr_scheduler; the module's `model.optimizer` group
         # builds AdamW and its schedule (cli_errors.NOT_OFFERED says so to whoever asks for them)
+        # prog: the usage lines say how the CLI is run, not `__main__.py`
         lambda: GRPOCLI(GRPOModule, RolloutDataModule, save_config_kwargs={"overwrite": True}, args=args,
-                        auto_configure_optimizers=False))
+                        auto_configure_optimizers=False, parser_kwargs={"prog": PROG}))

@@ -1,4 +1,4 @@
-"""Plot a run's TensorBoard scalars to a PNG: ``python -m lit_grpo.cli.plots RUN_DIR [RUN_DIR ...] -o out.png``.
+"""Plot a run's TensorBoard scalars to a PNG: ``python -m lit_grpo plots RUN_DIR [RUN_DIR ...] -o out.png``.
 
 Each run directory is searched for event files; one panel per metric, one line per run.
 """
@@ -6,6 +6,7 @@ Each run directory is searched for event files; one panel per metric, one line p
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +77,13 @@ def plot_runs(run_dirs: list[str], out: str, tags: tuple[str, ...] = DEFAULT_TAG
     return Path(out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m lit_grpo plots`` (also ``python -m lit_grpo.cli.plots``) on ``argv`` (default: ``sys.argv[1:]``)."""
+    parser = argparse.ArgumentParser(prog="python -m lit_grpo plots", description=__doc__)
     parser.add_argument("runs", nargs="+", help="run directories containing TensorBoard event files")
     parser.add_argument("-o", "--out", default="grpo_run.png")
     parser.add_argument("--tags", nargs="*", default=list(DEFAULT_TAGS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(plot_runs(args.runs, args.out, tuple(args.tags)))
 
 

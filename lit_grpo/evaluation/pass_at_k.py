@@ -1,5 +1,6 @@
-"""Pass@k of a policy on a split of questions: the one implementation behind the training-time callback and the
-``eval`` command.
+"""Pass@k of a policy on a split of questions: the one implementation behind the training-time callback, the
+``eval`` command and the training CLI's ``validate`` and ``test``, with what they share to choose the questions,
+log the values and print them.
 
 Questions are cut into fixed chunks of ``questions_per_chunk`` consecutive questions, each sampled with a seed
 derived from its first question, and the chunks are dealt round-robin to the ranks. A chunk's samples therefore
@@ -12,13 +13,15 @@ number of decoding steps (decoding stops when all ranks are done).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from lit_grpo.core.distributed import everyone, is_distributed, rank_and_world
+from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import prompt_ids
 from lit_grpo.data.rewards import RewardRunner
 from lit_grpo.engines.base import SamplingConfig
@@ -92,3 +95,39 @@ def evaluate_pass_at_k(
         correct = torch.tensor(judge(texts, answers).rewards).view(len(chunk), settings.num_samples) > 0.5
         metric.update(correct.sum(dim=1), settings.num_samples)
     return {k: float(v) for k, v in metric.compute().items()}
+
+
+def evaluation_rows(dataset: str, split: str, num_questions: int | None) -> list[dict[str, str]]:
+    """The questions of ``split`` of ``dataset`` that an evaluation reads: the first ``num_questions`` (all when
+    None)."""
+    rows = load_gsm8k(dataset, split=split)
+    return rows if num_questions is None else rows[:num_questions]
+
+
+def evaluate_pass_at_k_float32(policy: nn.Module, tokenizer: Any, rows: Sequence[dict], settings: PassAtKSettings,
+                               judge: RewardRunner, device: torch.device) -> dict[int, float]:
+    """:func:`evaluate_pass_at_k` in float32 outside any autocast, as the ``eval`` command and the callback compute
+    it (neither runs inside one)."""
+    with torch.autocast(torch.device(device).type, enabled=False):
+        return evaluate_pass_at_k(policy, tokenizer, rows, settings, judge=judge, device=device)
+
+
+def log_pass_at_k(loggers: Iterable[Any], results: dict[int, float], step: int) -> dict[str, float]:
+    """Log ``eval/pass@k`` for each k to every Lightning logger at ``step`` (the checkpoint's optimizer step, the
+    axis a training run logs its own Pass@k on), and flush them."""
+    metrics = {f"eval/pass@{k}": float(v) for k, v in results.items()}
+    for logger in loggers:
+        logger.log_metrics(metrics, step=step)
+        logger.save()
+        logger.finalize("success")
+    return metrics
+
+
+def pass_at_k_table(results: dict[int, float], questions: int, samples: int, seconds: float,
+                    title: str | None = None) -> str:
+    """The table the ``eval`` command, ``validate`` and ``test`` print, under a title line naming what was evaluated
+    where there is one."""
+    lines = [title] if title else []
+    lines += [f"{'k':>4}  pass@k   ({questions} questions x {samples} samples, {seconds:.1f} s)"]
+    lines += [f"{k:>4}  {value:.4f}" for k, value in results.items()]
+    return "\n".join(lines)

@@ -1,17 +1,11 @@
-"""What the training CLI's ``validate``, ``test`` and ``predict`` run, once LightningCLI has built the model, the data
-module and the trainer (:class:`lit_grpo.cli.lightning_cli.GRPOCLI` calls these; nothing here parses arguments).
-
-``validate`` and ``test`` are the Pass@k evaluation of the ``eval`` section, the implementation behind the
-``GSM8KPassAtK`` callback and ``python -m lit_grpo eval`` (:func:`lit_grpo.evaluation.pass_at_k.evaluate_pass_at_k`),
-so all
-three report the same numbers for the same weights and settings. The datasets have a train and a test split only:
-``validate`` evaluates the split the ``eval`` section names (``eval.split``, by default ``test``), ``test`` always
-the test split. ``predict`` samples ``data.num_generations`` completions per prompt, with the training sampling
+"""What the training CLI's ``predict`` runs once LightningCLI has built the model, the data module and the trainer
+(:meth:`lit_grpo.cli.lightning_cli.GRPOCLI.predict` calls these; its options are the ``predictions`` section,
+:class:`PredictOptions`). It samples ``data.num_generations`` completions per prompt, with the training sampling
 settings, and writes them to a JSONL file with their rewards (``data.rewards``) where an answer is known.
 
-They run in this process on the trainer's device, not through ``Trainer.validate`` / ``test`` / ``predict``:
-GRPOModule has no validation step (Lightning would warn about it in every fit) and sampling needs no loop. The
+It runs in this process on the trainer's device, not through ``Trainer.predict``: sampling needs no loop. The
 weights are the model's (``model.model_name``), or the policy of ``--ckpt_path`` (a file or a sharded directory).
+``validate`` and ``test`` (Pass@k) are :mod:`lit_grpo.evaluation.pass_at_k`'s.
 """
 
 from __future__ import annotations
@@ -29,9 +23,7 @@ from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import prompt_ids
 from lit_grpo.data.rewards import RewardRunner
 from lit_grpo.engines.base import SamplingConfig
-from lit_grpo.evaluation.pass_at_k import PassAtKSettings, evaluate_pass_at_k
 
-POLICY_PREFIX = "policy."
 #: prompts sampled together by ``predict`` (one generate call; a chunk's seed is derived from its first prompt)
 PREDICT_CHUNK = 8
 
@@ -97,37 +89,6 @@ def prediction_rows(options: PredictOptions, dataset: str) -> list[dict[str, str
     ``num_questions`` of them."""
     rows = read_questions(options.questions) if options.questions else load_gsm8k(dataset, split=options.split)
     return rows if options.num_questions is None else rows[: options.num_questions]
-
-
-def evaluation_rows(dataset: str, split: str, num_questions: int | None) -> list[dict[str, str]]:
-    """The questions the ``eval`` section evaluates, on ``split``: the first ``num_questions`` (all when None)."""
-    rows = load_gsm8k(dataset, split=split)
-    return rows if num_questions is None else rows[:num_questions]
-
-
-def pass_at_k(policy: nn.Module, tokenizer: Any, rows: Sequence[dict], settings: PassAtKSettings,
-              judge: RewardRunner, device: torch.device) -> dict[int, float]:
-    """Pass@k of ``policy`` in float32 outside any autocast, as ``eval`` and the callback compute it."""
-    with torch.autocast(device.type, enabled=False):
-        return evaluate_pass_at_k(policy, tokenizer, rows, settings, judge=judge, device=device)
-
-
-def log_pass_at_k(loggers: Iterable[Any], results: dict[int, float], step: int) -> dict[str, float]:
-    """Log ``eval/pass@k`` for each k to every logger at ``step`` (the checkpoint's optimizer step, the axis the
-    training run logged its own Pass@k on), and flush them."""
-    metrics = {f"eval/pass@{k}": float(v) for k, v in results.items()}
-    for logger in loggers:
-        logger.log_metrics(metrics, step=step)
-        logger.save()
-        logger.finalize("success")
-    return metrics
-
-
-def pass_at_k_table(results: dict[int, float], questions: int, samples: int, seconds: float, title: str) -> str:
-    """The table ``eval`` prints, under a title line naming what was evaluated."""
-    lines = [title, f"{'k':>4}  pass@k   ({questions} questions x {samples} samples, {seconds:.1f} s)"]
-    lines += [f"{k:>4}  {value:.4f}" for k, value in results.items()]
-    return "\n".join(lines)
 
 
 def predictions(policy: nn.Module, tokenizer: Any, rows: Sequence[dict], num_generations: int,
