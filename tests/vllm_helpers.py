@@ -96,6 +96,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+#: seconds ``vllm serve`` gives its engine to finish and free its resources after SIGTERM (``--shutdown-timeout``)
+SHUTDOWN_GRACE_S = 10
+
+
 class VLLMServe:
     """``vllm serve`` in dev mode on 127.0.0.1, taking pushes over this package's gloo backend, started as the docs
     say: a fresh ``token`` both as ``--api-key`` (its ``/v1`` routes) and as ``$LIT_GRPO_SERVER_TOKEN`` (what the
@@ -109,8 +113,15 @@ class VLLMServe:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--dtype", "float32",
                "--max-model-len", "256", "--enforce-eager", "--seed", "0", "--logprobs-mode", "processed_logprobs",
-               "--weight-transfer-config", json.dumps({"backend": "gloo"}), "--api-key", self.token, *extra]
+               "--weight-transfer-config", json.dumps({"backend": "gloo"}), "--api-key", self.token,
+               # vLLM's default (0) force-kills its engine process at once on SIGTERM, before the engine has freed
+               # its shared-memory queues: the resource tracker then reports them as leaked. A grace period lets
+               # the engine and its worker exit by themselves (a few seconds on a CPU).
+               "--shutdown-timeout", str(SHUTDOWN_GRACE_S), *extra]
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", LIT_GRPO_SERVER_TOKEN=self.token)
+        # vLLM's INFO lines include its whole configuration (kilobytes) at engine start; warnings and errors, what a
+        # failing test's log tail needs, stay. An explicit VLLM_LOGGING_LEVEL wins.
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.pop("LIT_GRPO_SERVER_TOKEN_FILE", None)
         self.log_path = log_path
         self._log = open(log_path, "w")
@@ -166,7 +177,7 @@ class VLLMServe:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(SHUTDOWN_GRACE_S + 30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
