@@ -406,6 +406,23 @@ def test_model_expectations_resolve_packed_shards_and_plain_parameters():
     assert lookup("v_proj") is None and lookup("bogus") is None
 
 
+def test_the_worker_checks_against_the_format_vllm_recorded_not_its_kernels(monkeypatch):
+    """vLLM on a CPU repacks a linear layer's weight for its kernels and leaves an empty placeholder; the shapes a
+    round must match are the ones it recorded for reloading."""
+    from lit_grpo.wire.vllm_gloo import model_expectations, model_format_parameters
+
+    model = FakeVLLMModel()
+    recorded = {"qkv_proj": model.qkv_proj.detach().to("meta")}
+    model.qkv_proj = torch.nn.Parameter(torch.empty(0))  # the kernel's placeholder
+    info = types.SimpleNamespace(restore_metadata=(recorded, {}))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload.layerwise",
+                        types.SimpleNamespace(LAYERWISE_INFO={model: info}))
+    params = model_format_parameters(model)
+    assert set(params) == {"qkv_proj", "norm"} and params["qkv_proj"].shape == (6, 3)
+    assert model_expectations(model, params=params)("q_proj") == Expected(F32, (6, 3), (0,), 1)
+    assert model_expectations(model)("q_proj") == Expected(F32, (0,), (0,), 1)  # the live placeholder
+
+
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_the_gloo_plugin_refuses_a_malformed_round_before_any_layer_is_set_aside(gloo_worker, case):
     worker, model, calls = gloo_worker
@@ -447,6 +464,12 @@ def test_the_gloo_plugin_refuses_what_is_not_a_manifest(gloo_worker):
     joined_worker(worker)
     with pytest.raises(PushFormatError, match="refused by the vLLM worker, nothing loaded: .*unexpected keyword"):
         worker.update_weights({**plugin_round(SHARDS, 64)[0], "packed": True})
+    assert calls == [] and model.loaded == [] and worker.group is None
+    joined_worker(worker)
+    with pytest.raises(PushFormatError) as refused:
+        worker.update_weights({**plugin_round(SHARDS, 64)[0], "names": ["q_proj"]})
+    assert str(refused.value) == ("malformed weight-push round refused by the vLLM worker, nothing loaded: names, "
+                                  "dtype_names and shapes differ in length: 1, 3, 3")
     assert calls == [] and model.loaded == [] and worker.group is None
 
 

@@ -128,7 +128,28 @@ class GlooWeightTransferInitInfo:
 GlooWeightTransferUpdateInfo = PushManifest
 
 
-def model_expectations(model: torch.nn.Module, tensor_parallel_size: int = 1) -> Callable[[str], Expected | None]:
+def model_format_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by name in the format its loader takes them. vLLM records each layer's tensors in
+    that format (``record_metadata_for_reloading``, as meta tensors with their loader attributes) before it processes
+    them into its kernels' format, where a parameter may change shape (on a CPU a linear layer's weight becomes an
+    empty placeholder once repacked); the record is what a reload restores, so it is what a round must match. A
+    layer without a record (none made, or a module vLLM never moves) counts with its live parameters."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except (ImportError, AttributeError):  # not inside vLLM (or a release without the record): the live parameters
+        LAYERWISE_INFO = {}
+    params: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        own: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
+        info = LAYERWISE_INFO.get(module)
+        if info is not None:
+            own.update(info.restore_metadata[0])
+        params.update({f"{prefix}.{name}" if prefix else name: tensor for name, tensor in own.items()})
+    return params
+
+
+def model_expectations(model: torch.nn.Module, tensor_parallel_size: int = 1,
+                       params: dict[str, torch.Tensor] | None = None) -> Callable[[str], Expected | None]:
     """What a vLLM model takes under a pushed (checkpoint) name: the parameter of that name, or the packed
     parameter a shard belongs to (``packed_modules_mapping``: ``q_proj`` -> ``qkv_proj``), after the model's own
     name mapping (``hf_to_vllm_mapper``) where it has one. Tied and aliased parameters count under every name.
@@ -137,14 +158,15 @@ def model_expectations(model: torch.nn.Module, tensor_parallel_size: int = 1) ->
     copy; a parameter with a loader of its own (vLLM's parallel and packed layers: split over tensor-parallel
     ranks, padded, or packed from several tensors) takes a shape of the same rank whose sizes along its
     ``output_dim`` / ``input_dim`` (a packed shard without them: dim 0) are at most the parameter's times the
-    tensor-parallel size, and equal elsewhere."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    tensor-parallel size, and equal elsewhere. ``params``: the parameters to check against (by default the live
+    ones, aliases included; the worker passes ``model_format_parameters``)."""
+    params = dict(model.named_parameters(remove_duplicate=False)) if params is None else params
     packed = dict(getattr(model, "packed_modules_mapping", None) or {})
     shard_of = {shard: whole for whole, shards in packed.items() for shard in shards}
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     map_name = getattr(mapper, "map_name", None) or getattr(mapper, "_map_name", None)
 
-    def resolve(name: str) -> tuple[torch.nn.Parameter | None, bool]:
+    def resolve(name: str) -> tuple[torch.Tensor | None, bool]:
         """The parameter ``name`` loads into, and whether it is one shard of it."""
         mapped = map_name(name) if map_name is not None else name
         if mapped is None:  # the model's mapping drops it: its loader would skip it, nothing here takes it
@@ -240,13 +262,15 @@ def make_worker_engine_class() -> type:
                 info = self.parse_update_info(update_info)
             except (TypeError, ValueError) as err:  # unknown fields, or not a manifest at all
                 self.refuse()
+                detail = str(err).removeprefix("malformed weight-push round: ")
                 raise PushFormatError(f"malformed weight-push round refused by the vLLM worker, nothing loaded: "
-                                      f"{err}") from None
+                                      f"{detail}") from None
             self.receive_weights(info)
 
         def expectations(self) -> Callable[[str], Expected | None]:
             """What the model takes under each pushed name (``model_expectations``)."""
-            return model_expectations(self.model, getattr(self.parallel_config, "tensor_parallel_size", 1))
+            return model_expectations(self.model, getattr(self.parallel_config, "tensor_parallel_size", 1),
+                                      model_format_parameters(self.model))
 
         def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
             if self.group is None:
