@@ -252,7 +252,7 @@ def adapter_grads(module, batch, make_logprobs, seed: int) -> list[torch.Tensor]
 def test_lora_dropout_acts_on_the_gradient_only_and_the_values_are_the_policys():
     """lora.dropout: the gradient pass's log-probs have the dropout-free policy's values (what the sampler and pi_k
     compute) and the gradient of a forward with dropout; the dropout layers are back in train mode after."""
-    from lit_grpo.training import scoring
+    from lit_grpo.core import scoring
 
     module = dropout_module()
     perturb_adapter(module)  # B != 0: dropout on the adapter's input changes the output
