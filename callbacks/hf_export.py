@@ -12,6 +12,7 @@ from torch import nn
 
 from lit_grpo.core.distributed import strip_wrapper_prefixes
 from lit_grpo.models.lora import cumulative_adapter, is_lora, merged_named_tensors, peft_model_of, write_adapter
+from lit_grpo.models.lora_export import export_adapter
 
 
 class HFExport(Callback):
@@ -21,7 +22,10 @@ class HFExport(Callback):
     ``python -m lit_grpo export`` writes from a checkpoint.
 
     A LoRA policy (``model.lora``) is written merged (a plain model), or with ``adapter_only`` as its adapter alone
-    in peft's format, stacked with the adapters its stage swaps merged so that it applies to the starting base.
+    in peft's format, stacked with the adapters its stage swaps merged so that it applies to the starting base; that
+    base is written beside it (``dirpath/base``) and named in the adapter's config (the Hub id when the run started
+    from one), so ``peft.AutoPeftModelForCausalLM.from_pretrained(dirpath)`` loads it. A module without
+    ``hparams.model_name`` gets the adapter alone.
 
     Sharded (FSDP) weights are gathered one tensor at a time on every rank, as the gather needs; rank zero
     writes, and the other ranks wait until the directory is complete.
@@ -63,11 +67,14 @@ class HFExport(Callback):
     def write_lora(self, trainer: L.Trainer, pl_module: L.LightningModule, policy: nn.Module) -> None:
         """A LoRA policy: merged into the plain model's weights, or its (stacked) adapter alone. Every rank gathers
         (a collective under FSDP), rank zero writes."""
-        if self.adapter_only:
+        hparams = getattr(pl_module, "hparams", {})
+        if self.adapter_only and hparams.get("model_name"):  # the base written beside, which peft then loads
+            export_adapter(policy, getattr(pl_module, "tokenizer", None), hparams["model_name"],
+                           hparams.get("dtype", "float32"), self.dirpath, writer=trainer.is_global_zero)
+        elif self.adapter_only:  # a module that does not say what it loaded: the adapter alone, with no base named
             spec, tensors = cumulative_adapter(policy)
             if trainer.is_global_zero:
-                hparams = getattr(pl_module, "hparams", {})
-                write_adapter(spec, tensors, self.dirpath, base_model=hparams.get("model_name"))
+                write_adapter(spec, tensors, self.dirpath)
         else:
             tensors = merged_named_tensors(policy)  # a collective under FSDP: every rank walks it to the end
             if not trainer.is_global_zero:

@@ -220,13 +220,13 @@ def test_an_adapter_only_export_refuses_a_base_that_changed_since_training(tmp_p
 
     lora_checkpoint(tmp_path / "lora.ckpt", tamper=True)
     with pytest.raises(ValueError, match=r"'tiny-random-llama' \(float32\) loads now as a base whose hash after the "
-                                         r"checkpoint's 1 merge\(s\) is .*the model changed since training"):
+                                         r"policy's 1 merge\(s\) is .*the model changed since training"):
         export_checkpoint(tmp_path / "lora.ckpt", tmp_path / "adapter", adapter_only=True)
     assert not (tmp_path / "adapter" / "base").exists() and not (tmp_path / "adapter" / "adapter_config.json").exists()
 
 
 def test_an_adapter_names_a_hub_base_by_its_id_and_other_bases_by_the_written_path(tmp_path):
-    from lit_grpo.cli.export import adapter_base_name
+    from lit_grpo.models.lora_export import adapter_base_name
 
     written = tmp_path / "out" / "base"
     assert adapter_base_name("HuggingFaceTB/SmolLM2-135M-Instruct", written) == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -200,9 +200,10 @@ def test_exports_merged_by_default_and_adapter_alone_on_request(straight, tmp_pa
         merged = AutoModelForCausalLM.from_pretrained(merged_dir)
         torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-5)
     exported = export_checkpoint(root / "end.ckpt", tmp_path / "adapter", adapter_only=True)
-    # the command writes the starting base beside the adapter and names it (an alias loads nowhere else)
+    # the command and the callback write the starting base beside the adapter and name it (an alias loads nowhere
+    # else)
     for adapter_dir, base_name in ((exported, str((exported / "base").resolve())),
-                                   (root / "adapter", "tiny-random-llama")):
+                                   (root / "adapter", str((root / "adapter" / "base").resolve()))):
         config = json.loads((adapter_dir / "adapter_config.json").read_text())
         assert config["r"] == 4 * 4 and config["base_model_name_or_path"] == base_name  # 3 merges + 1
         base = load_model_and_tokenizer("tiny-random-llama")[0]

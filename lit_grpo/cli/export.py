@@ -6,7 +6,7 @@ The directory holds the policy's weights (safetensors), ``config.json`` and the 
 is. The reference model and the optimizer state stay behind. A LoRA policy (``model.lora``) is written merged (base
 plus adapter, a plain model) by default, or with ``--adapter-only`` as its adapter in peft's format
 (``adapter_config.json``, ``adapter_model.safetensors``) with the base it applies to beside it, in ``OUT_DIR/base``
-(:func:`export_adapter`); after stage swaps that adapter stacks the merged ones
+(:func:`lit_grpo.models.lora_export.export_adapter`); after stage swaps that adapter stacks the merged ones
 (``lit_grpo.models.lora.cumulative_adapter``), so it applies to the starting base, which is the one written.
 ``peft.AutoPeftModelForCausalLM.from_pretrained(OUT_DIR)`` loads it: the adapter's ``base_model_name_or_path`` is
 the Hub id the policy started from, or else (an alias, a local directory) the absolute path of ``OUT_DIR/base``;
@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from torch import nn
@@ -94,6 +94,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, adapter_only:
     :func:`load_policy_from_checkpoint`); a LoRA policy merged, or with ``adapter_only`` its adapter alone in
     peft's format (stacked with the merges of its stage swaps, so that it applies to the starting base)."""
     from lit_grpo.models.lora import is_lora, merge_adapter_into_base
+    from lit_grpo.models.lora_export import export_adapter
 
     model, tokenizer, hp = load_policy_and_hparams(checkpoint)
     lora = is_lora(model)
@@ -103,92 +104,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, adapter_only:
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     if adapter_only:
-        export_adapter(model, tokenizer, hp["model_name"], hp.get("dtype", "float32"), out)
-    elif lora:
+        return export_adapter(model, tokenizer, hp["model_name"], hp.get("dtype", "float32"), out)
+    if lora:
         merge_adapter_into_base(model)  # base + scale * B @ A, as a push to an engine without adapters sends it
         model.unload().save_pretrained(out)
     else:
         model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-#: the folder inside an adapter-only export that holds the base the adapter applies to
-BASE_DIR = "base"
-
-
-def is_hub_id(model_name: str) -> bool:
-    """Whether ``model_name`` names a Hugging Face Hub model: not one of lit_grpo's aliases (built in memory or
-    converted on first use, which nothing else loads) and not a local directory."""
-    from lit_grpo.models.loading import ALIAS_LOADERS
-
-    return model_name not in ALIAS_LOADERS and not Path(model_name).expanduser().exists()
-
-
-def adapter_base_name(model_name: str, base_dir: Path) -> str:
-    """What an adapter export names as its base (``base_model_name_or_path``, what peft's ``AutoPeftModel`` loads):
-    the Hub id the policy started from, which loads anywhere; else the absolute path of the base written beside the
-    adapter (an alias loads nowhere but in lit_grpo, and a local directory may change or go)."""
-    return model_name if is_hub_id(model_name) else str(base_dir.expanduser().resolve())
-
-
-def export_adapter(model: nn.Module, tokenizer, model_name: str, dtype: str, out: Path) -> None:  # noqa: ANN001
-    """Write a LoRA policy's adapter to ``out`` in peft's format (stacked with its merges:
-    ``lit_grpo.models.lora.save_adapter``), the base it applies to into ``out/base`` (the starting base: ``model_name``
-    loaded in ``dtype``, as training started from it, with the tokenizer and a generation config without sampling
-    values), and the tokenizer beside the adapter. The adapter names its base by :func:`adapter_base_name`.
-
-    The base written is checked first: with the checkpoint's merges applied to it (in the trainer's fixed order,
-    which reproduces the trainer's base bitwise) its hash must be that of the checkpoint's base, else a model that
-    changed since training (a re-converted alias, a new revision of a Hub id) would be written silently. A mismatch
-    raises ``ValueError`` and leaves no base behind."""
-    import shutil
-
-    import torch
-
-    from lit_grpo.models.loading import load_model_and_tokenizer
-    from lit_grpo.models.lora import (
-        LoraArgs,
-        apply_lora,
-        base_hash,
-        lora_spec,
-        merge_adapter_into_base,
-        merge_log,
-        save_adapter,
-    )
-
-    base_dir = out / BASE_DIR
-    base, _ = load_model_and_tokenizer(model_name, dtype)
-    base.generation_config = neutral_generation_config(base, tokenizer)
-    base.save_pretrained(base_dir)
-    tokenizer.save_pretrained(base_dir)
-    merges = merge_log(model).entries
-    if merges:  # the written base, merged as training merged it, must be the checkpoint's base
-        spec = lora_spec(model)
-        with torch.random.fork_rng():  # the adapter's initial values do not matter: only merges are applied
-            base = apply_lora(base, LoraArgs(r=spec["r"], alpha=spec["alpha"], target_modules=spec["target_modules"]))
-        for entry in merges:
-            merge_adapter_into_base(base, entry)
-    held, expected = base_hash(base), base_hash(model)
-    if held != expected:
-        shutil.rmtree(base_dir, ignore_errors=True)
-        raise ValueError(f"--adapter-only: {model_name!r} ({dtype}) loads now as a base whose hash after the "
-                         f"checkpoint's {len(merges)} merge(s) is {held[:16]}..., the checkpoint's base has "
-                         f"{expected[:16]}...: the model changed since training; export merged (without "
-                         "--adapter-only), which needs no base")
-    save_adapter(model, out, base_model=adapter_base_name(model_name, base_dir))
-
-
-def neutral_generation_config(model: nn.Module, tokenizer) -> Any:  # noqa: ANN001 (a Hugging Face tokenizer)
-    """A ``GenerationConfig`` with the special token ids of ``tokenizer`` (and the model's further eos ids) and no
-    sampling values: an engine that reads the directory's ``generation_config.json`` as its sampling defaults
-    (vLLM does) then samples from the plain softmax unless a request says otherwise."""
-    from transformers import GenerationConfig
-
-    from lit_grpo.models.loading import eos_token_ids, pad_token_id
-
-    return GenerationConfig(bos_token_id=getattr(tokenizer, "bos_token_id", None),
-                            eos_token_id=eos_token_ids(tokenizer, model), pad_token_id=pad_token_id(tokenizer))
 
 
 def check_alias(name: str) -> None:
@@ -207,6 +130,7 @@ def export_alias(name: str, out_dir: str | Path) -> Path:
     built now."""
     check_alias(name)
     from lit_grpo.models.loading import load_model_and_tokenizer
+    from lit_grpo.models.lora_export import neutral_generation_config
 
     model, tokenizer = load_model_and_tokenizer(name, "float32")
     model.generation_config = neutral_generation_config(model, tokenizer)
