@@ -66,18 +66,14 @@ class Expected:
 
     def shape_error(self, shape: list[int]) -> str | None:
         """Why ``shape`` does not fit, or ``None``."""
-        if len(shape) != len(self.shape) or any(
-                size > (held * self.scale if d in self.loose_dims else held) or (d not in self.loose_dims
-                                                                                 and size != held)
-                for d, (size, held) in enumerate(zip(shape, self.shape))):
-            fits = "" if not self.loose_dims else f" (dims {list(self.loose_dims)} up to x{self.scale})"
-            return f"shape {shape}, expected {list(self.shape)}{fits}"
+
+        def fits(dim: int, size: int, held: int) -> bool:
+            return size <= held * self.scale if dim in self.loose_dims else size == held
+
+        if len(shape) != len(self.shape) or not all(fits(d, *sizes) for d, sizes in enumerate(zip(shape, self.shape))):
+            loose = "" if not self.loose_dims else f" (dims {list(self.loose_dims)} up to x{self.scale})"
+            return f"shape {shape}, expected {list(self.shape)}{loose}"
         return None
-
-
-def expected_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Expected]:
-    """``Expected`` of each named tensor, exactly as it is (its dtype and shape)."""
-    return {name: Expected(t.dtype, tuple(t.shape)) for name, t in named}
 
 
 @dataclass
