@@ -11,8 +11,8 @@ from lit_grpo.callbacks.protocol import check_hf_export, full_named_tensors, pol
 from torch import nn
 
 from lit_grpo.core.distributed import strip_wrapper_prefixes
+from lit_grpo.models.adapter_export import export_adapter
 from lit_grpo.models.lora import cumulative_adapter, is_lora, merged_named_tensors, peft_model_of, write_adapter
-from lit_grpo.models.lora_export import export_adapter
 
 
 class HFExport(Callback):

@@ -226,7 +226,7 @@ def test_an_adapter_only_export_refuses_a_base_that_changed_since_training(tmp_p
 
 
 def test_an_adapter_names_a_hub_base_by_its_id_and_other_bases_by_the_written_path(tmp_path):
-    from lit_grpo.models.lora_export import adapter_base_name
+    from lit_grpo.models.adapter_export import adapter_base_name
 
     written = tmp_path / "out" / "base"
     assert adapter_base_name("HuggingFaceTB/SmolLM2-135M-Instruct", written) == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -6,7 +6,7 @@ The directory holds the policy's weights (safetensors), ``config.json`` and the 
 is. The reference model and the optimizer state stay behind. A LoRA policy (``model.lora``) is written merged (base
 plus adapter, a plain model) by default, or with ``--adapter-only`` as its adapter in peft's format
 (``adapter_config.json``, ``adapter_model.safetensors``) with the base it applies to beside it, in ``OUT_DIR/base``
-(:func:`lit_grpo.models.lora_export.export_adapter`); after stage swaps that adapter stacks the merged ones
+(:func:`lit_grpo.models.adapter_export.export_adapter`); after stage swaps that adapter stacks the merged ones
 (``lit_grpo.models.lora.cumulative_adapter``), so it applies to the starting base, which is the one written.
 ``peft.AutoPeftModelForCausalLM.from_pretrained(OUT_DIR)`` loads it: the adapter's ``base_model_name_or_path`` is
 the Hub id the policy started from, or else (an alias, a local directory) the absolute path of ``OUT_DIR/base``;
@@ -93,8 +93,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, adapter_only:
     """Write the policy of a GRPOModule checkpoint to ``out_dir`` as a Hugging Face model directory (see
     :func:`load_policy_from_checkpoint`); a LoRA policy merged, or with ``adapter_only`` its adapter alone in
     peft's format (stacked with the merges of its stage swaps, so that it applies to the starting base)."""
+    from lit_grpo.models.adapter_export import export_adapter
     from lit_grpo.models.lora import is_lora, merge_adapter_into_base
-    from lit_grpo.models.lora_export import export_adapter
 
     model, tokenizer, hp = load_policy_and_hparams(checkpoint)
     lora = is_lora(model)
@@ -129,8 +129,8 @@ def export_alias(name: str, out_dir: str | Path) -> Path:
     ``from_pretrained``, ``vllm.LLM`` and ``vllm serve`` load. An alias built on first use (``arith-tiny-sft``) is
     built now."""
     check_alias(name)
+    from lit_grpo.models.adapter_export import neutral_generation_config
     from lit_grpo.models.loading import load_model_and_tokenizer
-    from lit_grpo.models.lora_export import neutral_generation_config
 
     model, tokenizer = load_model_and_tokenizer(name, "float32")
     model.generation_config = neutral_generation_config(model, tokenizer)

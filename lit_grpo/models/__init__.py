@@ -1,6 +1,7 @@
 """Models: loading by alias, Hub id or folder (``loading``; the warm-started demo alias's recipe is named by import
 path and lives in ``lit_grpo.training.warm_start``), frozen copies such as pi_ref (``copies``) and LoRA
-(``lora``, with its parts ``lora_layers``, ``lora_tensors``, ``lora_merge``, ``lora_push``, ``lora_export``).
+(``lora``, with its parts ``lora_layers``, ``lora_tensors``, ``lora_merge``, ``lora_push``, ``lora_export``;
+``adapter_export`` writes an adapter with its base).
 It imports ``lit_grpo.core`` only: never data, training, engines, the server or the command line.
 
 The names of ``loading`` are importable from here, as they were from the module ``lit_grpo.models``."""
