@@ -71,9 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores/procs)")
     parser.add_argument("--max-staleness", type=int, nargs="+", default=[0],
                         help="data.max_staleness values to run the server layouts with (K >= 1: asynchronous)")
-    parser.add_argument("--tv-monitor", action="store_true",
-                        help="keep the Theorem-1 monitor's after-update pass (model.monitor_tv_after_update), one "
-                             "more no-grad forward; off by default, as in step_time.py (the demo-shape job)")
+    # off by default, as in step_time.py (the demo-shape job)
+    parser.add_argument("--tv-monitor", action="store_true", help="model.monitor_tv_after_update: one more forward")
     parser.add_argument("--reference-on-server", action="store_true",
                         help="server layouts: the server also computes pi_ref's log-probs (data.reference_on_server), "
                              "so the trainer skips its reference pass")

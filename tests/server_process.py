@@ -20,16 +20,16 @@ READY = re.compile(r"listening on (http://\S+)")
 
 class ServerProcess:
     def __init__(self, workdir: Path, model: str = "tiny-random-llama", args: tuple[str, ...] = (),
-                 via_cli: bool = False, token: str | None = None, port: int = 0, device: str = "cpu") -> None:
+                 token: str | None = None, port: int = 0, device: str = "cpu") -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.token = token or secrets.token_hex(16)
         token_file = workdir / "token"
         token_file.write_text(self.token)
         token_file.chmod(0o600)
-        entry = ["-m", "lit_grpo", "serve"] if via_cli else ["-m", "lit_grpo.serve.server"]
-        cmd = [sys.executable, *entry, "--model", model, "--port", str(port), "--token-file", str(token_file),
-               "--threads", "1", "--device", device, *args]  # pinned: the tests' trainers run on the CPU
+        # threads and device pinned: the tests' trainers run on the CPU
+        cmd = [sys.executable, "-m", "lit_grpo", "serve", "--model", model, "--port", str(port),
+               "--token-file", str(token_file), "--threads", "1", "--device", device, *args]
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
         env.pop("LIT_GRPO_SERVER_TOKEN", None)
         self.log_path = workdir / "server.log"

@@ -6,8 +6,6 @@ serve`` without a token. The same refusals against a real ``vllm serve``: ``test
 from __future__ import annotations
 
 import re
-import sys
-import types
 
 import pytest
 import torch
@@ -88,42 +86,13 @@ def test_push_refusal_lets_the_right_token_through_and_remote_stores_only_when_a
 
 
 # ---- the worker side of the gloo plugin, on a stand-in for vLLM's base class -------------------------------
-class _Engine:
-    """vLLM 0.32's ``WeightTransferEngine`` as far as the gloo engine uses it."""
-
-    def __init__(self, config, vllm_config, device, model) -> None:  # noqa: ANN001
-        self.config, self.vllm_config, self.device, self.model = config, vllm_config, device, model
-        self.parallel_config = vllm_config.parallel_config
-        self.model_config = vllm_config.model_config
-
-    def parse_init_info(self, init_dict: dict):  # noqa: ANN201
-        return self.init_info_cls(**init_dict)
-
-    def parse_update_info(self, update_dict: dict):  # noqa: ANN201
-        return self.update_info_cls(**update_dict)
-
-
 @pytest.fixture
 def gloo_worker(monkeypatch):
     """A gloo worker engine over a one-parameter model, its layerwise-reload calls recorded."""
-    from lit_grpo.wire.vllm_gloo import make_worker_engine_class
+    from fake_vllm import gloo_worker_over
 
-    calls: list[str] = []
-    modules = {
-        "vllm.distributed.weight_transfer.base": {"WeightTransferEngine": _Engine},
-        "vllm.model_executor.model_loader.reload": {
-            "initialize_layerwise_reload": lambda model: calls.append("initialize"),
-            "finalize_layerwise_reload": lambda model, config: calls.append("finalize")},
-    }
-    for name, members in modules.items():
-        parts = name.split(".")
-        for i in range(1, len(parts)):
-            monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
-        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**members))
     model = torch.nn.Linear(2, 2)
-    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=1, data_parallel_index=0, rank=0),
-                                   model_config=None)
-    worker = make_worker_engine_class()(None, config, torch.device("cpu"), model)
+    worker, calls = gloo_worker_over(model, monkeypatch)
     return worker, model, calls
 
 

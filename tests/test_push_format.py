@@ -311,18 +311,6 @@ def test_the_project_server_loads_a_well_formed_round_through_the_same_path(tiny
 
 
 # ---- (b) the gloo vLLM plugin's worker, on stand-ins for vLLM's base class and model ----------------------------
-class _Engine:
-    """vLLM 0.32's ``WeightTransferEngine`` as far as the gloo engine uses it."""
-
-    def __init__(self, config, vllm_config, device, model) -> None:  # noqa: ANN001
-        self.config, self.vllm_config, self.device, self.model = config, vllm_config, device, model
-        self.parallel_config = vllm_config.parallel_config
-        self.model_config = vllm_config.model_config
-
-    def parse_update_info(self, update_dict: dict):  # noqa: ANN201
-        return self.update_info_cls(**update_dict)
-
-
 def column_loader(param, loaded, shard=None) -> None:  # noqa: ANN001
     """A stand-in for a vLLM layer's own loader (packed rows: q then k)."""
     start = {None: 0, "q": 0, "k": 4}[shard]
@@ -355,24 +343,10 @@ class FakeVLLMModel(torch.nn.Module):
 @pytest.fixture
 def gloo_worker(monkeypatch):
     """A gloo worker engine over ``FakeVLLMModel``, its layerwise-reload calls recorded."""
-    from lit_grpo.wire.vllm_gloo import make_worker_engine_class
+    from fake_vllm import gloo_worker_over
 
-    calls: list[str] = []
-    modules = {
-        "vllm.distributed.weight_transfer.base": {"WeightTransferEngine": _Engine},
-        "vllm.model_executor.model_loader.reload": {
-            "initialize_layerwise_reload": lambda model: calls.append("initialize"),
-            "finalize_layerwise_reload": lambda model, config: calls.append("finalize")},
-    }
-    for name, members in modules.items():
-        parts = name.split(".")
-        for i in range(1, len(parts)):
-            monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
-        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**members))
     model = FakeVLLMModel()
-    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=1, data_parallel_index=0, rank=0),
-                                   model_config=None)
-    worker = make_worker_engine_class()(None, config, torch.device("cpu"), model)
+    worker, calls = gloo_worker_over(model, monkeypatch)
     yield worker, model, calls
     worker.shutdown()
 

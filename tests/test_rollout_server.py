@@ -217,13 +217,18 @@ def test_two_servers_share_the_prompts_and_both_get_the_weights(servers, tiny, o
 
 def test_server_refuses_to_start_without_a_token(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "LIT_GRPO_SERVER_TOKEN"}
-    command = [sys.executable, "-m", "lit_grpo.serve.server", "--model", "tiny-random-llama", "--port", "0"]
+    command = [sys.executable, "-m", "lit_grpo", "serve", "--model", "tiny-random-llama", "--port", "0"]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no token" in done.stderr and "listening" not in done.stdout
     (tmp_path / "short").write_text("abc\n")
     done = subprocess.run(command + ["--token-file", str(tmp_path / "short")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "at least 16" in done.stderr
+    # the module's former entry points to the command in one line
+    done = subprocess.run([sys.executable, "-m", "lit_grpo.serve.server"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: start the rollout server with `python -m lit_grpo serve --model M --port P` (see --help)"]
 
 
 def test_hung_or_dead_server_stops_the_client_within_its_timeout(servers, tiny):

@@ -20,6 +20,7 @@ from server_process import ServerProcess
 from test_lora_server import lora_policy, train_adapter
 from test_rollout_server import perturbed
 
+from lit_grpo.cli.serve import main
 from lit_grpo.core.scoring import completion_logprobs
 from lit_grpo.data.rollout import pad_rollouts
 from lit_grpo.engines.base import SamplingConfig
@@ -28,7 +29,7 @@ from lit_grpo.engines.transformers_engine import TransformersEngine
 from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
 from lit_grpo.models.lora import LoraArgs, adapter_update, apply_lora, swap_reference_by_merge
 from lit_grpo.serve.served_policy import ServedPolicy
-from lit_grpo.serve.server import main, make_http_server
+from lit_grpo.serve.server import make_http_server
 from lit_grpo.wire.protocol import HTTPFailure
 from lit_grpo.wire.weight_transfer import checksum
 

@@ -23,7 +23,7 @@ def server_options(server: ServerProcess) -> dict:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
-    first = ServerProcess(root / "server1", via_cli=True, port=free_port())
+    first = ServerProcess(root / "server1", port=free_port())
     # the server the second half talks to: a fresh process that never saw a push, as after a restart (started
     # now so that its model loads while the first launch runs)
     second = ServerProcess(root / "server2", port=free_port())

@@ -14,6 +14,7 @@ the training CLI (:mod:`lit_grpo.cli.errors`), and imports nothing heavy.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -24,7 +25,7 @@ DEBUG_ENV = "LIT_GRPO_DEBUG"
 
 #: subcommands that are not Trainer methods -> the module whose ``main(argv)`` runs them
 TOOLS: dict[str, str] = {"export": "lit_grpo.cli.export", "eval": "lit_grpo.cli.eval",
-                         "serve": "lit_grpo.serve.server", "configs": "lit_grpo.cli.configs",
+                         "serve": "lit_grpo.cli.serve", "configs": "lit_grpo.cli.configs",
                          "plots": "lit_grpo.cli.plots"}
 #: every other subcommand (fit, validate, test, predict) and no subcommand at all: LightningCLI, through the
 #: ``train(args)`` of this module
@@ -49,6 +50,14 @@ class UsageError(Exception):
 
     def __init__(self, what: str, where: str) -> None:
         super().__init__(f"{one_line(what)} ({where})")
+
+
+class ToolParser(argparse.ArgumentParser):
+    """The tools' argparse parser: a bad argument is raised as a ``ValueError`` with the usage on the same line,
+    which :func:`run_tool` prints as the one-line usage error (argparse would print the usage and exit itself)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
 
 
 def one_line(text: str) -> str:

@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
+
+from lit_grpo.cli.commands import ToolParser
 
 if TYPE_CHECKING:  # the module moved in Python 3.11; only the annotation needs it
     from importlib.resources.abc import Traversable
@@ -139,15 +141,9 @@ def write(chosen: list[ShippedConfig], out: Path) -> list[Path]:
     return [path for _, path in targets]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # one line, raised to the caller, like the other tools' usage errors (argparse would print usage)
-        raise ValueError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``configs`` arguments."""
-    parser = _Parser(
+    parser = ToolParser(
         prog="python -m lit_grpo configs",
         description="List the run configurations shipped with lit_grpo, print one (to start from it: "
         "python -m lit_grpo configs demo_cpu > demo.yaml; python -m lit_grpo fit --config demo.yaml), "

@@ -17,7 +17,8 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+
+from lit_grpo.cli.commands import ToolParser
 
 
 def parse_ks(text: str) -> tuple[int, ...]:
@@ -30,14 +31,8 @@ def parse_ks(text: str) -> tuple[int, ...]:
     return ks
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # raised to the CLI, which prints it as its one-line usage error
-        raise ValueError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m lit_grpo eval",
+    parser = ToolParser(prog="python -m lit_grpo eval",
                      description="Pass@k of a model or of a checkpoint's policy on GSM8K test (or another dataset).")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="model alias, local directory (e.g. an exported one) or Hub id")

@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
+
+from lit_grpo.cli.commands import ToolParser
 
 if TYPE_CHECKING:
     from torch import nn
@@ -141,15 +143,9 @@ def export_alias(name: str, out_dir: str | Path) -> Path:
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # one line, raised to the caller, like the rest of the CLI's usage errors (argparse would print usage)
-        raise ValueError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``export`` arguments (no heavy import: ``--help`` prints from here)."""
-    parser = _Parser(
+    parser = ToolParser(
         prog="python -m lit_grpo export",
         usage="python -m lit_grpo export [-h] [--adapter-only] checkpoint out_dir | --model ALIAS out_dir",
         description="Write the policy of a checkpoint, or a model alias, as a Hugging Face model directory "

@@ -1,4 +1,5 @@
-"""``python -m lit_grpo serve --model M --port P``: the project's rollout server.
+"""The project's rollout server, started by ``python -m lit_grpo serve --model M --port P`` (its arguments and
+entry: :mod:`lit_grpo.cli.serve`).
 
 One process holds the rollout policy alpha (the transformers engine, on CPU or one GPU) behind HTTP and speaks
 the protocol of ``lit_grpo.wire.protocol`` (a subset of ``vllm serve`` 0.33's), so the trainer's
@@ -17,18 +18,17 @@ prompt or new tokens than the limits: 400. A client has ``--read-timeout`` secon
 at most ``--max-connections`` are served at once (``serve.connections``). The weight bytes travel over
 torch.distributed, which has no authentication: the group is joined only when an authenticated request names it.
 
-The argument parser, the token and the limits are checked before torch or transformers is imported, so
+Importing this module imports neither torch nor transformers (the served model is loaded by the command), so
 ``--help`` and argument errors answer at once.
 """
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -38,7 +38,6 @@ from lit_grpo.serve.connections import (
     DEFAULT_READ_TIMEOUT_S,
     BoundedHTTPServer,
     DeadlineHandler,
-    check_connection_options,
 )
 from lit_grpo.serve.generation import GenerationRoutes
 from lit_grpo.serve.reference_routes import ReferenceRoutes
@@ -47,11 +46,9 @@ from lit_grpo.serve.served_policy import ServedPolicy
 from lit_grpo.serve.weight_receive import WeightReceiver
 from lit_grpo.wire import auth
 from lit_grpo.wire.protocol import (
-    LOOPBACK,
     MIN_TOKEN_CHARS,
     OPEN_ROUTES,
     ROUTES,
-    TOKEN_ENV,
     HTTPFailure,
     Limits,
     error_payload,
@@ -175,80 +172,9 @@ def read_token(token_file: str | None) -> str:
     return auth.read_token(token_file)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # raised for the CLI to print as one line
-        raise ValueError(message)
+if __name__ == "__main__":  # the entry is the command line's (lit_grpo.cli.serve): say where, in one line
+    import sys
 
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``serve`` arguments (building it imports neither torch nor transformers)."""
-    parser = _Parser(
-        prog="python -m lit_grpo serve",
-        description="Serve rollouts of a causal LM over HTTP (vLLM 0.33's protocol subset) and take weight pushes "
-                    "from a lit_grpo trainer (`data.engine: server`).")
-    parser.add_argument("--model", required=True, help="model alias, local directory or Hub id (as model.model_name)")
-    parser.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one (printed at start)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
-    parser.add_argument("--token-file", default=None,
-                        help=f"file holding the bearer token (else ${auth.TOKEN_FILE_ENV} or ${TOKEN_ENV})")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
-    parser.add_argument("--max-prompts", type=int, default=Limits.max_prompts, help="prompts per request")
-    parser.add_argument("--max-n", type=int, default=Limits.max_n, help="completions per prompt")
-    parser.add_argument("--max-tokens", type=int, default=Limits.max_tokens, help="new tokens per completion")
-    parser.add_argument("--no-buffer-reuse", action="store_true",
-                        help="allocate fresh receive buffers for every push (default on CPU: keep two sets)")
-    parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
-    parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
-                        help="seconds a client has, from connecting, to send its whole request; a slower one is "
-                             f"dropped (default {DEFAULT_READ_TIMEOUT_S:g}; a generation may take longer)")
-    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                        help="connections served at once (a thread each); one more is answered 503 and closed "
-                             f"(default {DEFAULT_MAX_CONNECTIONS})")
-    return parser
-
-
-def main(argv: Sequence[str]) -> None:
-    """The ``serve`` subcommand: check the arguments and the token (before loading anything), then serve until
-    interrupted. Errors are raised as ``ValueError`` / ``OSError`` for the CLI to print."""
-    args = build_parser().parse_args(list(argv))
-    token = read_token(args.token_file)
-    limits = Limits(args.max_body_bytes, args.max_prompts, args.max_n, args.max_tokens)
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
-    check_connection_options(args.read_timeout, args.max_connections)
-    import torch
-
-    from lit_grpo.models.loading import load_model_and_tokenizer
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else torch.device(
-        args.device)
-    if args.host not in LOOPBACK:
-        print(f"warning: binding {args.host}: the token guards HTTP, but the weight bytes travel over "
-              "torch.distributed, which is not authenticated; keep the network private", file=sys.stderr)
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
-    server = RolloutServer(model.to(device), tokenizer, args.model, token, limits,
-                           reuse_buffers=not args.no_buffer_reuse)
-    httpd = make_http_server(server, args.host, args.port, args.log_requests, args.read_timeout,
-                             args.max_connections)
-    host, port = httpd.server_address[:2]
-    print(f"lit_grpo rollout server: {args.model} ({args.dtype}, {device}) listening on http://{host}:{port}",
-          flush=True)
-    try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        httpd.server_close()
-
-
-if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    print("error: start the rollout server with `python -m lit_grpo serve --model M --port P` (see --help)",
+          file=sys.stderr)
+    raise SystemExit(2)

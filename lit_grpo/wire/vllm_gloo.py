@@ -110,17 +110,24 @@ def source_tensors(source: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @dataclass
-class GlooWeightTransferInitInfo:
-    """What a vLLM worker needs to join the push group: the trainer's store, the worker's place in the group
-    (``rank_offset`` + its global worker rank) and the shared token, which the worker checks before anything else."""
+class GlooGroupInfo:
+    """Where the push group meets and how it sends, what both sides' init infos hold: the trainer's store, the
+    group's size (1 + the server's workers), the bucket size, the timeout and the shared token (never printed)."""
 
     master_address: str
     master_port: int
-    rank_offset: int
     world_size: int
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
     token: str | None = field(default=None, repr=False)
+
+
+@dataclass
+class GlooWeightTransferInitInfo(GlooGroupInfo):
+    """What a vLLM worker needs to join the push group: the group's :class:`GlooGroupInfo` and the worker's place in
+    it (``rank_offset`` + its global worker rank). The worker checks the token before anything else."""
+
+    rank_offset: int = field(kw_only=True)
 
 
 #: one round's tensors in the order they travel and its buckets: the round format of every receiver
@@ -308,19 +315,11 @@ def make_trainer_engine_class() -> type:
     from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
     @dataclass
-    class GlooTrainerInitInfo(TrainerInitInfo):
-        """Trainer-side init info: where rank 0 opens the store (``master_port`` 0: a port the system picks),
-        the whole group's size (1 + the server's workers), the bucket size, the timeout and the token the server's
-        workers check."""
+    class GlooTrainerInitInfo(GlooGroupInfo, TrainerInitInfo):
+        """Trainer-side init info: the group's :class:`GlooGroupInfo` (``master_port`` 0: rank 0 opens the store
+        on a port the system picks) and vLLM's keyword-only ``rank``."""
 
         backend: ClassVar[str] = BACKEND
-
-        master_address: str
-        master_port: int
-        world_size: int
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES
-        timeout_s: float = DEFAULT_TIMEOUT_S
-        token: str | None = field(default=None, repr=False)
 
     class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         """Rank 0 sends: it announces the round (``/update_weights`` on a side thread, which blocks in the
@@ -349,8 +348,8 @@ def make_trainer_engine_class() -> type:
                 return engine
             engine.store, engine.listener = open_store(init_info.master_address, engine.timeout_s)
             worker_info = GlooWeightTransferInitInfo(
-                init_info.master_address, engine.store.port, 1, init_info.world_size, engine.bucket_bytes,
-                engine.timeout_s, init_info.token)
+                init_info.master_address, engine.store.port, init_info.world_size, engine.bucket_bytes,
+                engine.timeout_s, init_info.token, rank_offset=1)
             # the workers answer the init once every rank has joined the group, this one included, so the init runs
             # on a thread; this rank joins only once a worker has written to the store (it passed its checks), so a
             # refused init leaves no join waiting out its timeout (gloo ends the process when one does)
