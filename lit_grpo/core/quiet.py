@@ -8,11 +8,14 @@ line of that logger still shows.
   engine's options are the project's own (``VLLMEngine``), so the dump repeats what the run's config says. Only
   that record is dropped: vLLM's other lines (the KV cache size, its warnings) still show. ``vllm serve`` runs
   its engine in processes of its own, where ``VLLM_LOGGING_LEVEL=WARNING`` quiets it.
+- Lightning 2.6 builds ``torch.utils._pytree.LeafSpec``, which torch 2.13 deprecated (a ``FutureWarning`` at each
+  fit, addressed to Lightning): that one warning is filtered by its text.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 #: the logger Lightning's ``rank_zero_info`` writes to, and a piece of the tip's text
 LIGHTNING_RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
@@ -42,9 +45,14 @@ def drop_messages(logger_name: str, *pieces: str) -> None:
         logger.addFilter(DropMessages(*pieces))
 
 
+#: torch's deprecation of the ``LeafSpec`` that Lightning's pytree helpers build
+LIGHTNING_LEAFSPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
 def quiet_lightning() -> None:
-    """Drop Lightning's litlogger tip."""
+    """Drop Lightning's litlogger tip and torch's deprecation warning addressed to Lightning's pytree helpers."""
     drop_messages(LIGHTNING_RANK_ZERO_LOGGER, LITLOGGER_TIP)
+    warnings.filterwarnings("ignore", message=LIGHTNING_LEAFSPEC, category=FutureWarning)
 
 
 def quiet_vllm() -> None:

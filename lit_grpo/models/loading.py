@@ -204,3 +204,16 @@ def eos_token_ids(tokenizer, model=None) -> list[int]:  # noqa: ANN001
     if not ids:
         raise ValueError("the tokenizer has no eos_token_id; set one so completions can end")
     return sorted(ids)
+
+
+def checkpointing_call(model: torch.nn.Module, action: str, required: bool = True) -> Callable[[], object] | None:
+    """``model``'s ``activation_checkpointing_<action>`` (``action``: ``enable`` or ``disable``), the name recent
+    transformers use, else ``gradient_checkpointing_<action>``, the older one that they keep as a deprecated alias
+    (a ``FutureWarning`` at each call); None for a model with neither unless ``required``."""
+    for name in (f"activation_checkpointing_{action}", f"gradient_checkpointing_{action}"):
+        if callable(call := getattr(model, name, None)):
+            return call
+    if required:
+        raise ValueError(f"{type(model).__name__} has no activation_checkpointing_{action} or "
+                         f"gradient_checkpointing_{action}: expected a transformers model for gradient_checkpointing")
+    return None

@@ -17,6 +17,7 @@ merges the sampler lacks (``lora_push``).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 from torch import nn
@@ -147,7 +148,9 @@ def apply_lora(model: nn.Module, args: LoraArgs) -> nn.Module:
     config = LoraConfig(r=args.r, lora_alpha=args.alpha, lora_dropout=args.dropout, bias="none",
                         target_modules=resolve_target_modules(model, args.target_modules),
                         task_type=TaskType.CAUSAL_LM)
-    peft_model = get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`: peft's to fix
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        peft_model = get_peft_model(model, config)
     peft_model.lit_grpo_merge_log = MergeLog()
     return peft_model
 

@@ -30,6 +30,7 @@ from lit_grpo.core.distributed import (
     sum_over_ranks,
 )
 from lit_grpo.core.option_groups import as_group, plain
+from lit_grpo.core.quiet import quiet_lightning
 from lit_grpo.core.scoring import active_dropout, completion_logprobs, dropout_off, policy_logprobs
 from lit_grpo.math.aggregation import (
     AGGREGATION_MODES,
@@ -39,7 +40,7 @@ from lit_grpo.math.aggregation import (
 )
 from lit_grpo.math.tv import tv_estimate
 from lit_grpo.models.copies import frozen_copy
-from lit_grpo.models.loading import disable_dropout, load_model_and_tokenizer
+from lit_grpo.models.loading import checkpointing_call, disable_dropout, load_model_and_tokenizer
 from lit_grpo.models.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_model_of
 from lit_grpo.training.flops import device_peak_flops, parameter_count, processed_tokens
 from lit_grpo.training.losses import LossOptions, build_loss, check_loss_output
@@ -119,6 +120,7 @@ class GRPOModule(L.LightningModule):
         lora: LoraArgs | None = None,
     ) -> None:
         super().__init__()
+        quiet_lightning()  # for a Trainer built after the module, outside the command line
         if peak_flops is not None and not (math.isfinite(peak_flops) and peak_flops > 0):
             raise ValueError(f"peak_flops must be a finite number of FLOP/s > 0 (None: the device's known bf16 "
                              f"peak), got {peak_flops!r}")
@@ -167,7 +169,7 @@ class GRPOModule(L.LightningModule):
         self._grad_norms: list[torch.Tensor] = []
         if gradient_checkpointing:
             # the reference copy is a plain copy: it never recomputes (no grad) and keeps its KV cache
-            self.policy.gradient_checkpointing_enable()
+            checkpointing_call(self.policy, "enable")()
             if self.lora_args is not None:
                 # frozen embeddings give outputs without grad: reentrant checkpointing (transformers 4's default)
                 # would then pass no gradient to the adapters inside the recomputed blocks
@@ -184,8 +186,8 @@ class GRPOModule(L.LightningModule):
 
     def _build_reference(self, device: torch.device) -> None:
         reference = frozen_copy(self.policy, device)
-        if hasattr(reference, "gradient_checkpointing_disable"):
-            reference.gradient_checkpointing_disable()  # a no-grad model has nothing to recompute
+        if (disable := checkpointing_call(reference, "disable", required=False)) is not None:
+            disable()  # a no-grad model has nothing to recompute
         # left in train mode like the policy (dropout is off), so Lightning's mode checks stay quiet
         self._reference_pending = False
         self._modules["reference"] = reference
