@@ -380,6 +380,24 @@ def test_model_expectations_resolve_packed_shards_and_plain_parameters():
     assert lookup("v_proj") is None and lookup("bogus") is None
 
 
+def test_a_layer_wrapped_for_lora_counts_under_the_checkpoint_s_name():
+    """``vllm serve --enable-lora`` moves each target layer under ``base_layer`` of its LoRA wrapper; the pushed
+    (checkpoint) names still load into it."""
+    from lit_grpo.wire.vllm_gloo import model_expectations, model_format_parameters
+
+    class Wrapped(torch.nn.Module):  # vLLM's ...WithLoRA: the layer as base_layer, beside the adapters' slots
+        def __init__(self, layer: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_layer = layer
+
+    model = FakeVLLMModel()
+    model.embed = Wrapped(torch.nn.Embedding(5, 3))
+    params = model_format_parameters(model)
+    assert params["embed.weight"] is params["embed.base_layer.weight"]
+    assert model_expectations(model, params=params)("embed.weight") == Expected(F32, (5, 3))
+    assert "embed.weight" not in dict(model.named_parameters())  # the alias is the check's, not the model's
+
+
 def test_the_worker_checks_against_the_format_vllm_recorded_not_its_kernels(monkeypatch):
     """vLLM on a CPU repacks a linear layer's weight for its kernels and leaves an empty placeholder; the shapes a
     round must match are the ones it recorded for reloading."""

@@ -140,7 +140,11 @@ def model_format_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     that format (``record_metadata_for_reloading``, as meta tensors with their loader attributes) before it processes
     them into its kernels' format, where a parameter may change shape (on a CPU a linear layer's weight becomes an
     empty placeholder once repacked); the record is what a reload restores, so it is what a round must match. A
-    layer without a record (none made, or a module vLLM never moves) counts with its live parameters."""
+    layer without a record (none made, or a module vLLM never moves) counts with its live parameters.
+
+    With ``--enable-lora`` vLLM wraps each target layer after loading and the layer moves under ``base_layer``
+    (``qkv_proj.base_layer.weight``); its loader still takes the checkpoint's name, so the base layer's parameters
+    also count under the name without ``base_layer``."""
     try:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     except (ImportError, AttributeError):  # not inside vLLM (or a release without the record): the live parameters
@@ -152,6 +156,8 @@ def model_format_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if info is not None:
             own.update(info.restore_metadata[0])
         params.update({f"{prefix}.{name}" if prefix else name: tensor for name, tensor in own.items()})
+    for name in [n for n in params if ".base_layer." in n or n.startswith("base_layer.")]:
+        params.setdefault(name.replace("base_layer.", ""), params[name])
     return params
 
 
