@@ -45,7 +45,11 @@ class RolloutBatch:
     group_mask: torch.Tensor  # [S]: 1 where the completion's group has non-zero reward variance (eq. 8)
     truncated: torch.Tensor  # [S] bool: hit max_new_tokens without an end-of-sequence token
     alpha_logp: torch.Tensor | None = None  # [S, C] log alpha(y_t | ...); None: alpha is pi_k (engine in sync)
-    sampler_logp: torch.Tensor | None = None  # [S, C] as reported by the engine while sampling
+    sampler_logp: torch.Tensor | None = None  # [S, C] as reported by the engine while sampling (mu)
+    #: what ``alpha_logp`` is: ``"policy"`` (None: alpha is pi_k), ``"recompute"`` (the rollout weights scored in
+    #: the trainer's numerics, by the in-process engine or a kept copy of the pushed weights) or ``"sampler"``
+    #: (``sampler_logp`` itself: no one could score those weights again)
+    alpha_source: str = "policy"
     #: [S, C] log pi_ref(y_t | ...) computed by the rollout server (``data.reference_on_server``), and the version
     #: of pi_ref it used (the trainer's ``reference_version`` when it was pushed); None: the trainer computes them
     reference_logp: torch.Tensor | None = None

@@ -404,18 +404,18 @@ class RolloutDataModule(L.LightningDataModule):
         """The trainer's device (the CPU outside a trainer): where a batch is built."""
         return self.trainer.lightning_module.device if self.trainer is not None else torch.device("cpu")
 
-    def alpha_logprobs(self, padded: PaddedRollouts, sampled_step: int) -> torch.Tensor | None:
-        """Log-probs of the completions under the weights that sampled them (version ``sampled_step``); ``None``
-        means "alpha is pi_k": those are the policy's current weights, so the trainer's first forward gives
-        them exactly."""
+    def alpha_logprobs(self, padded: PaddedRollouts, sampled_step: int) -> tuple[torch.Tensor | None, str]:
+        """Log-probs of the completions under the weights that sampled them (version ``sampled_step``), and where
+        they come from (``RolloutBatch.alpha_source``); ``None`` means "alpha is pi_k": those are the policy's
+        current weights, so the trainer's first forward gives them exactly."""
         engine = self.rollout_engine
         current_step = self.trainer.global_step if self.trainer is not None else None
         if self.reuse_policy_logprobs and engine.rescore and sampled_step == current_step:
-            return None
+            return None, "policy"
         if sampled_step != engine.synced_step:
-            return padded.sampler_logp  # sampled before the last push: only the sampler knew those weights
+            return padded.sampler_logp, "sampler"  # sampled before the last push: only the sampler knew them
         alpha = engine.score(padded, self.sampling.temperature)
-        return alpha if alpha is not None else padded.sampler_logp
+        return (alpha, "recompute") if alpha is not None else (padded.sampler_logp, "sampler")
 
     def rollout_job(self, index: int) -> Callable[[], Requested]:
         """The request for rollout batch ``index`` of this rank, as ``AsyncRollouts`` hands it over."""
@@ -492,11 +492,12 @@ class RolloutDataModule(L.LightningDataModule):
         padded = pad_rollouts(prompts, groups, pad_token_id(self.tokenizer), self.micro_batch_size,
                               self.module_device())
         with self.precision_context():
-            alpha = self.alpha_logprobs(padded, sampled_step)
+            alpha, alpha_source = self.alpha_logprobs(padded, sampled_step)
         timings = {"rollout_seconds": time.perf_counter() - start, "generate_seconds": generate_seconds,
                    **({"reference_seconds": rollouts.reference_seconds} if self.scores_reference else {})}
         origin = BatchOrigin(
             batch_index=prompt_batch.batch_index, rollout_step=sampled_step, alpha_logp=alpha,
+            alpha_source=alpha_source,
             reference=rollouts.reference, reference_offloaded=self.scores_reference,
             stats={**timings, "reward_errors": float(self.reward_errors),
                    "reward_timeouts": float(self.reward_timeouts), **stats})

@@ -76,6 +76,7 @@ class BatchOrigin:
     rollout_step: int = 0  # the weight version (optimizer step) that sampled it
     #: alpha's log-probs ``[S, C]``; ``None``: alpha is pi_k (the engine held the policy's current weights)
     alpha_logp: torch.Tensor | None = None
+    alpha_source: str = "policy"  # RolloutBatch.alpha_source: policy, recompute or sampler
     #: pi_ref's log-probs ``[S, C]`` from the rollout server and pi_ref's version (``data.reference_on_server``)
     reference: tuple[torch.Tensor, str] | None = None
     reference_offloaded: bool = False  # the data module asks the server for pi_ref's log-probs (every rank alike)
@@ -107,6 +108,7 @@ def collate_rollouts(padded: PaddedRollouts, rewards: list[float], advantage_eps
         group_mask=group_mask,
         truncated=padded.truncated,
         alpha_logp=origin.alpha_logp,
+        alpha_source=origin.alpha_source,
         sampler_logp=padded.sampler_logp,
         reference_logp=reference_logp.to(device) if reference_logp is not None else None,
         reference_version=reference_version,

@@ -76,9 +76,15 @@ class GRPOOptions(ClipBand):
 
 
 def with_kl_penalty(per_token: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor | None,
-                    beta: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Eq. 7's KL term added to a per-token loss: ``per_token + beta * KL_k3(pi || pi_ref)``, and the k3 values
-    (None at beta = 0, which needs no pi_ref and adds nothing)."""
+                    beta: float, correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Eq. 7's KL term added to a per-token policy loss, ``c * per_token + beta * KL_k3(pi || pi_ref)``, and the
+    k3 values (None at beta = 0, which needs no pi_ref and adds nothing).
+
+    ``correction`` ``c`` (``[S, T]``, detached; None: 1) is the sampler correction's weight
+    (:mod:`lit_grpo.math.corrections`): it scales the policy term only, as TRL, verl and SkyRL apply theirs; the
+    KL to pi_ref is a regulariser of pi alone, not an expectation over the sampler's tokens."""
+    if correction is not None:
+        per_token = per_token * correction
     if not beta > 0:
         return per_token, None
     if ref_logp is None:
@@ -89,7 +95,8 @@ def with_kl_penalty(per_token: torch.Tensor, logp: torch.Tensor, ref_logp: torch
 
 def grpo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
               mask: torch.Tensor, config: GRPOOptions, pik_logp: torch.Tensor | None = None,
-              ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              ref_logp: torch.Tensor | None = None,
+              correction: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss to minimise, ``-sum_t w_t [f_eps(pi/alpha, r', A) - beta * KL_k3(pi || pi_ref)]`` (eq. 7; eq. 8 when
     the zero-variance mask is folded into ``weights``), and detached statistics.
 
@@ -109,7 +116,7 @@ def grpo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Te
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     eps_high = config.eps_upper
     per_token, kl = with_kl_penalty(-clipped_surrogate(ratio, ref_ratio, adv, config.eps_low, eps_high), logp,
-                                    ref_logp, config.beta)
+                                    ref_logp, config.beta, correction)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():

@@ -9,7 +9,7 @@ The loss contract
 Every policy loss, built-in or yours, is a function called once per micro-batch with these keyword arguments::
 
     loss, stats = fn(logp=..., alpha_logp=..., advantages=..., weights=..., mask=..., config=...,
-                     pik_logp=..., ref_logp=...)
+                     pik_logp=..., ref_logp=...)          # and correction=... when it takes it (below)
 
 - ``logp`` ``[S, T]``: log pi_theta of each completion token (with gradient), S sequences x T completion tokens;
 - ``alpha_logp`` ``[S, T]``: log alpha, the policy that sampled the rollouts (eq. 6's denominator);
@@ -20,7 +20,11 @@ Every policy loss, built-in or yours, is a function called once per micro-batch 
   mask; they divide by totals over the whole batch (all micro-batches and ranks), so the loss is a plain
   weighted SUM: ``(per_token * weights).sum()``;
 - ``mask`` ``[S, T]``: 1 on the completion's tokens, 0 on padding;
-- ``config``: the loss's options (below).
+- ``config``: the loss's options (below);
+- ``correction`` ``[S, T]`` or None, only for a loss that takes a ``correction`` parameter (every built-in one
+  does): the sampler correction's detached per-token weight (``model.correction``, :mod:`lit_grpo.math.corrections`),
+  to multiply into the policy term and not into the KL term (:func:`lit_grpo.math.objective.with_kl_penalty`).
+  None when no correction is on. A loss without the parameter is refused when ``model.correction`` is set.
 
 It returns ``(loss, stats)``: ``loss`` a 0-d tensor to minimise (its gradient is the update), ``stats`` a dict of
 detached 0-d tensors holding at least :data:`STAT_KEYS` (sums and extrema over the tokens of ``mask``, which
@@ -64,6 +68,8 @@ BatchHook = Callable[[RolloutBatch, int], tuple[RolloutBatch, "torch.Tensor | No
 
 # the keyword arguments every loss is called with (the contract above)
 LOSS_ARGUMENTS = ("logp", "alpha_logp", "advantages", "weights", "mask", "config", "pik_logp", "ref_logp")
+# the keyword a loss may take besides them: it is passed only to a loss that names it (or takes **kwargs)
+OPTIONAL_ARGUMENTS = ("correction",)
 # the statistics the module logs (train/ratio_*, train/clip_*_fraction, train/kl), which every loss returns
 STAT_KEYS = ("tokens", "ratio_sum", "ratio_min", "ratio_max", "clip_low", "clip_high", "kl_sum")
 
@@ -214,12 +220,18 @@ def check_loss_signature(fn: LossFn, spec: str) -> None:
     keywords = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
     missing = [name for name in LOSS_ARGUMENTS if name not in keywords and not takes_any]
-    extra = [p.name for p in params if p.name not in LOSS_ARGUMENTS and p.default is p.empty
+    extra = [p.name for p in params if p.name not in LOSS_ARGUMENTS + OPTIONAL_ARGUMENTS and p.default is p.empty
              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if missing or extra:
         what = "; ".join(filter(None, [f"does not take {missing}" if missing else "",
                                        f"needs arguments the loss is not given: {extra}" if extra else ""]))
         raise TypeError(f"loss {spec!r} has the wrong signature {inspect.signature(fn)}: it {what}; {_SPEC_HELP}")
+
+
+def takes_correction(fn: LossFn) -> bool:
+    """Whether a loss takes the optional ``correction`` keyword (by name, or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == "correction" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _custom_config(fn: LossFn, spec: str, options: Mapping[str, Any], beta: float) -> object:
