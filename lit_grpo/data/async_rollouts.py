@@ -15,12 +15,16 @@ from collections.abc import Callable
 from typing import Any
 
 from lit_grpo.core.distributed import all_gather_objects
+from lit_grpo.data.dynamic_sampling import Formed
 from lit_grpo.data.producer import InlineProducer, Producer, RolloutProducer
 from lit_grpo.data.staleness import groups_from_state, groups_to_state
 from lit_grpo.engines.base import Completion, Rollouts
 
-#: what a batch's request brings back: the rollouts and the seconds the completions took
-Requested = tuple[Rollouts, float]
+#: what a batch's request brings back: the rollouts and the seconds the completions took, and how dynamic sampling
+#: formed the batch when it did (``lit_grpo.data.dynamic_sampling``)
+Requested = tuple[Rollouts, float] | tuple[Rollouts, float, Formed]
+#: a batch generated and not yet trained on: its groups and seconds, and how dynamic sampling formed it (if it did)
+Generated = tuple[list[list[Completion]], float] | tuple[list[list[Completion]], float, Formed]
 
 
 class AsyncRollouts:
@@ -36,8 +40,8 @@ class AsyncRollouts:
         self.request = request
         self.producer: Producer | None = None  # made at the first batch taken
         #: generated batches restored from a checkpoint or kept from an earlier fit, not yet trained on:
-        #: batch index -> (groups, seconds)
-        self.restored: dict[int, tuple[list[list[Completion]], float]] = {}
+        #: batch index -> (groups, seconds), or (groups, seconds, formed) for a batch formed by dynamic sampling
+        self.restored: dict[int, Generated] = {}
         #: how often the producer had generated all it may and waited for the trainer (the staleness bound)
         self.producer_waits = 0
 
@@ -68,25 +72,34 @@ class AsyncRollouts:
         """Batch ``index`` as requested (K batches earlier, or now at K = 0), after handing the next ones over: its
         rollouts (a failed request as ``Rollouts.error``, for the ranks to stop together), the seconds its
         completions took, and the seconds the trainer waited for it."""
+        return self.take_formed(index)[:3]
+
+    def take_formed(self, index: int) -> tuple[Rollouts, float, float, Formed | None]:
+        """``take``, and how dynamic sampling formed the batch (``None``: it did not)."""
         producer = self.ensure_producer()
         waited = producer.waited_s
         self.hand_over(index)
+        formed: list[Formed] = []
         if index in self.restored:
-            groups, seconds = self.restored.pop(index)
+            groups, seconds, *formed = self.restored.pop(index)
             rollouts = Rollouts(groups)
         else:
             result, error = producer.take(index)
-            rollouts, seconds = result if error is None else (Rollouts(None, f"{type(error).__name__}: {error}"), 0.0)
-        return rollouts, seconds, producer.waited_s - waited
+            if error is None:
+                rollouts, seconds, *formed = result
+            else:
+                rollouts, seconds = Rollouts(None, f"{type(error).__name__}: {error}"), 0.0
+        return rollouts, seconds, producer.waited_s - waited, (formed[0] if formed else None)
 
-    def generated(self) -> dict[int, tuple[list[list[Completion]], float]]:
-        """The batches generated ahead and not yet taken (after the requests running now), with the restored ones."""
+    def generated(self) -> dict[int, Generated]:
+        """The batches generated ahead and not yet taken (after the requests running now), with the restored ones:
+        ``(groups, seconds)``, and the ``Formed`` record third for a batch formed by dynamic sampling."""
         kept = dict(self.restored)
         if self.producer is not None:
             self.producer.drain()
             for index, (result, error) in self.producer.finished().items():
                 if error is None and result[0].error is None:
-                    kept[index] = (result[0].groups, result[1])
+                    kept[index] = (result[0].groups, *result[1:])
         return kept
 
     def keep_generated(self) -> None:
@@ -107,8 +120,9 @@ class AsyncRollouts:
         """Every rank's batches generated ahead and not yet trained on, as plain lists (a checkpoint needs them for
         an exact resume: their weights are gone from the server). Waits for the requests running now; the gather is
         a collective, and ``state_dict`` runs on every rank when a checkpoint is saved."""
-        mine = {index: {"groups": groups_to_state(groups), "seconds": seconds}
-                for index, (groups, seconds) in self.generated().items()}
+        mine = {index: {"groups": groups_to_state(groups), "seconds": seconds,
+                        **({"formed": formed[0].to_state()} if formed else {})}
+                for index, (groups, seconds, *formed) in self.generated().items()}
         everyone = all_gather_objects(mine) if world > 1 else [mine]
         return {"world_size": world, "max_staleness": self.max_staleness, "ranks": everyone}
 
@@ -124,4 +138,5 @@ class AsyncRollouts:
                           stacklevel=2)
             return
         self.restored = {int(index): (groups_from_state(item["groups"]), float(item["seconds"]))
+                         + ((Formed.from_state(item["formed"]),) if "formed" in item else ())
                          for index, item in state["ranks"][rank].items()}

@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -26,8 +26,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_grpo.core.batch import RolloutBatch
 from lit_grpo.core.distributed import everyone, rank_slice
-from lit_grpo.core.option_groups import plain
+from lit_grpo.core.option_groups import as_group, plain
 from lit_grpo.data.async_rollouts import AsyncRollouts, Requested
+from lit_grpo.data.dynamic_sampling import DynamicSampling, Formed, OverlongPenalty, Scored, form_batch
 from lit_grpo.data.fit_checks import check_temperature_agrees, constant_normaliser_mismatch, unsynced_engine_warning
 from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
@@ -51,6 +52,7 @@ from lit_grpo.engines.base import (
 )
 from lit_grpo.engines.options import ENGINE_OPTIONS, ServerOptions, TransformersOptions, VLLMOptions
 from lit_grpo.engines.options import engine_options as engine_options_of
+from lit_grpo.math.overlong import soft_overlong_penalty
 from lit_grpo.models.loading import eos_token_ids, pad_token_id
 
 #: the autocast dtype of Lightning's mixed precisions (the forward context of ``training_step``)
@@ -142,6 +144,16 @@ class RolloutDataModule(L.LightningDataModule):
             generation config that changes sampling). The default lies above the bfloat16 gaps measured; ``null``
             turns the check off. Logged as ``rollout/sampler_check_gap`` and ``rollout/sampler_check_seconds``.
         sampler_check_sequences: completions per rank the check teacher-forces.
+        dynamic_sampling: DAPO's dynamic sampling (``enabled``, ``max_rounds``, ``oversample``, ``at_cap``;
+            ``lit_grpo.data.dynamic_sampling.DynamicSampling``, docs/batch-shaping.md): each rank drops its groups
+            whose rewards all equal and refills them from further prompts, drawn from the dataset by seeds of the
+            data seed, the batch and the round (a resumed run draws the same). The rewards are then computed where
+            the batch is formed (on the producer's thread with ``max_staleness >= 1``). Logged as
+            ``rollout/dynamic_rounds``, ``rollout/dropped_groups``, ``rollout/dynamic_generated_per_kept``, ...
+        overlong_penalty: DAPO's soft overlong punishment (eq. 13; ``buffer``: L_cache tokens, 0 = off, below
+            ``max_new_tokens``; ``factor``): ``factor * R_length(|y|)`` with ``L_max = max_new_tokens`` is added to
+            each completion's reward before the advantages (``lit_grpo.math.overlong``); its batch mean is logged as
+            ``rollout/overlong_penalty``.
     """
 
     def __init__(
@@ -169,6 +181,8 @@ class RolloutDataModule(L.LightningDataModule):
         seed: int = 0,
         sampler_check_max_gap: float | None = DEFAULT_MAX_GAP,
         sampler_check_sequences: int = DEFAULT_SEQUENCES,
+        dynamic_sampling: DynamicSampling = DynamicSampling(),  # noqa: B008 (frozen: a shared default is safe)
+        overlong_penalty: OverlongPenalty = OverlongPenalty(),  # noqa: B008 (frozen)
     ) -> None:
         super().__init__()
         if sampler_check_max_gap is not None and (isinstance(sampler_check_max_gap, bool)
@@ -197,6 +211,11 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"advantage_eps must be > 0 (inside the square root of eq. 2), got {advantage_eps}")
         if max_prompts is not None and max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1 or None, got {max_prompts}")
+        self.dynamic_sampling = as_group(DynamicSampling, dynamic_sampling, "dynamic_sampling")
+        self.overlong_penalty = as_group(OverlongPenalty, overlong_penalty, "overlong_penalty")
+        if self.overlong_penalty.buffer >= max_new_tokens:
+            raise ValueError(f"overlong_penalty.buffer={self.overlong_penalty.buffer} must be below "
+                             f"max_new_tokens={max_new_tokens} (the penalty's buffer lies inside the length limit)")
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         if engine == "vllm" or server_kind == "vllm":
             from lit_grpo.engines.vllm_engine import check_vllm_temperature, check_vllm_top_p  # imports no vllm
@@ -420,6 +439,8 @@ class RolloutDataModule(L.LightningDataModule):
     def rollout_job(self, index: int) -> Callable[[], Requested]:
         """The request for rollout batch ``index`` of this rank, as ``AsyncRollouts`` hands it over."""
         prompt_batch = self.prompt_batch(index)
+        if self.dynamic_sampling.enabled:
+            return partial(self.formed_request, prompt_batch)
         prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
         return partial(self.request, prompts, rollout_seed(self.seed, index, prompt_batch.rank))
 
@@ -427,17 +448,56 @@ class RolloutDataModule(L.LightningDataModule):
         """One rank's G completions per prompt with the engine's current weights, and pi_ref's log-probs of them when
         the server scores pi_ref; no collective (a remote engine's ranks agree later, in ``rollout_batch``), so it
         may run on the producer's thread."""
-        engine = self.rollout_engine
         start = time.perf_counter()
-        with self.precision_context():
-            if isinstance(engine, RemoteEngine):
-                rollouts = engine.request_rollouts(prompts, self.num_generations, self.sampling, seed=seed)
-            else:
-                rollouts = Rollouts(engine.generate(prompts, self.num_generations, self.sampling, seed=seed))
+        rollouts = self.sample(prompts, seed)
         seconds = time.perf_counter() - start
         if self.server_reference is not None:
             rollouts = self.server_reference(prompts, rollouts)
         return rollouts, seconds
+
+    def sample(self, prompts: list[list[int]], seed: int) -> Rollouts:
+        """G completions per prompt with the engine's current weights (no collective)."""
+        engine = self.rollout_engine
+        with self.precision_context():
+            if isinstance(engine, RemoteEngine):
+                return engine.request_rollouts(prompts, self.num_generations, self.sampling, seed=seed)
+            return Rollouts(engine.generate(prompts, self.num_generations, self.sampling, seed=seed))
+
+    def formed_request(self, prompt_batch: PromptBatch) -> Requested:
+        """``request`` with dynamic sampling (``lit_grpo.data.dynamic_sampling.form_batch``): this rank's batch formed
+        from groups with a reward spread, scored as they are generated, then pi_ref's log-probs of the kept ones when
+        the server scores pi_ref. No collective: each rank forms its own batch, in as many rounds as it needs (every
+        rank still yields one batch per step). Its seconds cover every round's generation and scoring."""
+        start = time.perf_counter()
+        rollouts, formed = form_batch(
+            self.dynamic_sampling, self.prompts_per_step, prompt_batch.rows, len(self.rows), self.seed,
+            prompt_batch.batch_index, prompt_batch.rank,
+            sample=lambda rows, seed: self.sample([self.prompt_ids(r) for r in rows], seed), score=self.score_groups)
+        seconds = time.perf_counter() - start
+        if formed is None:
+            return rollouts, seconds  # a failed request: the ranks stop together in rollout_batch
+        if self.server_reference is not None:
+            rollouts = self.server_reference([self.prompt_ids(r) for r in formed.rows], rollouts)
+        return rollouts, seconds, formed
+
+    def score_groups(self, rows: list[int], groups: list[list[Completion]]) -> Scored:
+        """The rewards of the groups sampled for dataset ``rows`` (flat, prompt-major), the overlong penalty added."""
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+        answers = [self.rows[r]["answer"] for r in rows for _ in range(self.num_generations)]
+        scored = self.reward_runner(texts, answers)
+        rewards = list(scored.rewards)
+        penalties = self.overlong_penalties(groups)
+        if penalties is not None:
+            rewards = [r + p for r, p in zip(rewards, penalties.tolist())]
+        return Scored(rewards, scored.errors, scored.timeouts)
+
+    def overlong_penalties(self, groups: list[list[Completion]]) -> torch.Tensor | None:
+        """DAPO eq. 13 per completion (``data.overlong_penalty``), ``None`` when it is off."""
+        option = self.overlong_penalty
+        if not option.enabled:
+            return None
+        lengths = torch.tensor([len(c.token_ids) for g in groups for c in g])
+        return soft_overlong_penalty(lengths, self.sampling.max_new_tokens, option.buffer, option.factor)
 
     def rollout_batch(self, prompt_batch: PromptBatch) -> RolloutBatch:
         """Rollout batch ``prompt_batch``, the same way whatever K: taken from ``AsyncRollouts`` (requested K batches
@@ -445,7 +505,9 @@ class RolloutDataModule(L.LightningDataModule):
         collective, on this thread), then rewards, advantages and alpha."""
         step = self.trainer.global_step if self.trainer is not None else 0
         engine = self.rollout_engine.to(self.module_device())
-        rollouts, generate_seconds, waited = self.async_rollouts.take(prompt_batch.batch_index)
+        rollouts, generate_seconds, waited, formed = self.async_rollouts.take_formed(prompt_batch.batch_index)
+        if formed is not None:  # formed by dynamic sampling: its groups are those of these rows
+            prompt_batch = replace(prompt_batch, rows=list(formed.rows))
         if isinstance(engine, RemoteEngine):
             groups = engine.check_lockstep(rollouts)  # every rank raises when any rank's request failed
             sampled_step = min(weight_version_of(c) for g in groups for c in g)  # the versions the server reports
@@ -455,7 +517,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self.max_staleness:
             stats = {**stats, **staleness_stats(groups, step), "trainer_wait_seconds": waited,
                      "producer_waits": float(self.async_rollouts.producer_waits)}
-        return self.assemble(prompt_batch, groups, rollouts, sampled_step, generate_seconds, stats)
+        return self.assemble(prompt_batch, groups, rollouts, sampled_step, generate_seconds, stats, formed)
 
     def check_sampler(self, prompt_batch: PromptBatch, groups: list[list[Completion]], synced: bool) -> dict:
         """The first-push check (``lit_grpo.data.sampler_check``) on the first batch that the engine sampled with
@@ -478,17 +540,21 @@ class RolloutDataModule(L.LightningDataModule):
         return "colocated vLLM" if self.engine_kind == "vllm" else "in-process engine"
 
     def assemble(self, prompt_batch: PromptBatch, groups: list[list[Completion]], rollouts: Rollouts,
-                 sampled_step: int, generate_seconds: float, stats: dict[str, float]) -> RolloutBatch:
+                 sampled_step: int, generate_seconds: float, stats: dict[str, float],
+                 formed: Formed | None = None) -> RolloutBatch:
         """The complete batch of one rank's completions: rewards, eq. 2 advantages, padding, alpha (their weight
         version is ``sampled_step``), pi_ref's log-probs from the server (``rollouts.reference``) and the
-        statistics, ``stats`` last."""
+        statistics, ``stats`` last. ``formed``: the batch was formed by dynamic sampling, which scored it."""
         start = time.perf_counter() - generate_seconds - rollouts.reference_seconds
         prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-        answers = [self.rows[r]["answer"] for r in prompt_batch.rows for _ in range(self.num_generations)]
-        scored = self.reward_runner(texts, answers)
+        # a batch formed by dynamic sampling was scored where it was formed; its counts are added as it is taken
+        scored = Scored(formed.rewards, formed.reward_errors, formed.reward_timeouts) if formed is not None \
+            else self.score_groups(prompt_batch.rows, groups)
         self.reward_errors += scored.errors
         self.reward_timeouts += scored.timeouts
+        penalties = self.overlong_penalties(groups)
+        stats = {**(formed.stats if formed is not None else {}),
+                 **({"overlong_penalty": float(penalties.mean())} if penalties is not None else {}), **stats}
         padded = pad_rollouts(prompts, groups, pad_token_id(self.tokenizer), self.micro_batch_size,
                               self.module_device())
         with self.precision_context():
