@@ -250,7 +250,7 @@ def test_groups_are_plain_dicts_in_the_checkpoint_and_load_back(tmp_path):
     assert hp["optimizer"] == {"lr": 2e-3, "weight_decay": 0.0, "betas": (0.8, 0.9), "warmup_steps": 0,
                                "schedule": "constant", "fused": False}
     assert hp["loss_options"]["grpo"] == {"eps_low": 0.1, "eps_high": 0.3, "exact_ref_ratio": False,
-                                          "ratio_cap": None}
+                                          "ratio_cap": None, "delta": None}
     assert "beta" not in hp["loss_options"]["grpo"]  # model.beta is its own hyperparameter, not an option
     loaded = GRPOModule.load_from_checkpoint(tmp_path / "m.ckpt")
     assert loaded.optimizer_args == OptimizerArgs(lr=2e-3, betas=(0.8, 0.9))
@@ -270,7 +270,9 @@ OLD_LOSS_OPTIONS = {
 def test_loss_options_of_an_earlier_checkpoint_load_unchanged():
     options = as_group(LossOptions, OLD_LOSS_OPTIONS, "loss_options")
     written = plain(options)
-    assert {key: written[key] for key in OLD_LOSS_OPTIONS} == OLD_LOSS_OPTIONS  # the same structure is written back
+    # the same structure is written back, with the fields added since at their defaults (grpo's delta)
+    assert {key: written[key] for key in OLD_LOSS_OPTIONS} == {**OLD_LOSS_OPTIONS,
+                                                               "grpo": {**OLD_LOSS_OPTIONS["grpo"], "delta": None}}
     # sections of losses added since (gspo, cispo) come back at their defaults
     assert all(getattr(options, key) == getattr(LossOptions(), key) for key in written.keys() - OLD_LOSS_OPTIONS.keys())
     assert build_loss("grpo", OLD_LOSS_OPTIONS, 0.1).config == GRPOOptions(eps_low=0.1, eps_high=0.28).with_beta(0.1)

@@ -73,6 +73,8 @@ def hand_weights(mode: str, objective: str) -> list[float]:
             weights.append(1 / sum(LENGTHS[q] for q in rows))
         elif mode == "seq_mean_token_mean":
             weights.append(1 / LENGTHS[s] / len(rows))
+        elif mode == "seq_mean_token_sum":
+            weights.append(1 / len(rows))
         else:  # constant: every sequence counts, masked or not
             weights.append(1 / (6 * MAX_LEN))
     return weights
@@ -165,7 +167,7 @@ def test_drop_zero_variance_is_the_renormalised_dapo_form(mode):
     assert torch.allclose(grad, torch.tensor(expected_grad, dtype=torch.float64), rtol=1e-6, atol=1e-9)
     eq8_loss, _ = module_loss_and_grad(mode, mask_zero_variance=True)
     # every kept token weighs 13/8 (token_mean) or 6/4 (seq_mean_token_mean) times its eq. 8 weight
-    factor = {"token_mean": 13 / 8, "seq_mean_token_mean": 6 / 4, "constant": 1.0}[mode]
+    factor = {"token_mean": 13 / 8, "seq_mean_token_mean": 6 / 4, "constant": 1.0, "seq_mean_token_sum": 6 / 4}[mode]
     assert loss == pytest.approx(factor * eq8_loss, rel=1e-6)
 
 
@@ -213,7 +215,7 @@ def test_eq8_weights_over_two_ranks_equal_one_process(mode):
     assert torch.equal(torch.cat(per_rank), full)
     # by hand: 9 tokens, 4 sequences, 4 x MAX_LEN; rank 1's rows weigh 0
     expected = {"token_mean": [1 / 9, 1 / 9], "seq_mean_token_mean": [1 / 3 / 4, 1 / 4],
-                "constant": [1 / 16, 1 / 16]}[mode]
+                "constant": [1 / 16, 1 / 16], "seq_mean_token_sum": [1 / 4, 1 / 4]}[mode]
     assert per_rank[0][0, 0].item() == pytest.approx(expected[0])
     assert per_rank[0][1, 0].item() == pytest.approx(expected[1])
     assert torch.all(per_rank[1] == 0)

@@ -17,7 +17,7 @@ def simulated_ranks(mask: torch.Tensor, world: int):
         def count(share: torch.Tensor) -> torch.Tensor:
             if mode == "token_mean":
                 return share.sum()
-            if mode == "seq_mean_token_mean":
+            if mode in ("seq_mean_token_mean", "seq_mean_token_sum"):
                 return (share.sum(1) > 0).sum().float()
             return torch.tensor(float(share.shape[0]))
 

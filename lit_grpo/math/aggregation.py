@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "constant")
+AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "constant", "seq_mean_token_sum")
 
 #: turns this process's counts into totals over all processes (an all-reduce sum; see :func:`token_weights`)
 GlobalSum = Callable[[torch.Tensor], torch.Tensor]
@@ -31,6 +31,11 @@ def token_weights(
       counted token (original GRPO, Shao et al. 2024).
     - ``constant``: ``1 / (num_sequences * max_completion_length)`` (Dr.GRPO's constant normaliser;
       all sequences count in the denominator, masked or not).
+    - ``seq_mean_token_sum``: sum over tokens inside each sequence, then mean over sequences that have any
+      counted token: every counted token weighs ``1 / active_sequences`` (LUSPO, arXiv 2602.05261, TRL's
+      ``loss_type="luspo"``: a sequence's loss scaled by its length). TRL's ``.mean()`` divides by every
+      sequence of the micro-batch; the two agree whenever each sequence has a counted token, and counting only
+      those keeps the mode's meaning when zero-variance groups are dropped (:func:`zero_variance_dropped_weights`).
 
     A batch with no counted token gets all-zero weights: loss 0, gradient 0, no NaN.
 
@@ -52,6 +57,9 @@ def token_weights(
             raise ValueError(f"max_completion_length must be >= 1, got {length}")
         sequences = total(torch.tensor(float(mask.shape[0]), device=mask.device))
         return mask / (sequences * float(length))
+    if mode == "seq_mean_token_sum":
+        active = total((mask.sum(dim=1) > 0).sum().to(torch.float32)).clamp(min=1.0)
+        return mask / active
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATION_MODES}")
 
 

@@ -63,11 +63,13 @@ def cispo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.T
     Statistics: a token whose weight was clipped counts in ``clip_high`` (r above the upper edge) or ``clip_low``
     (below the lower edge), whatever the sign of A; ``A == 0`` tokens carry no gradient and count on neither side.
     """
-    ratio = torch.exp(logp - alpha_logp).detach()
+    raw_ratio = torch.exp(logp - alpha_logp)  # with gradient, for the bias-corrected KL only
+    ratio = raw_ratio.detach()
     low, high = config.bounds
     weight = cispo_weight(ratio, low, high)
     adv = advantages.to(logp.dtype).unsqueeze(-1)
-    per_token, kl = with_kl_penalty(-(weight * adv) * logp, logp, ref_logp, config.beta, correction)
+    per_token, kl = with_kl_penalty(-(weight * adv) * logp, logp, ref_logp, config.beta, correction, raw_ratio,
+                                    config.kl_bias_correction)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_grpo.math.objective import GRPOOptions, token_stats, with_kl_penalty
+from lit_grpo.math.objective import GRPOOptions, check_delta, token_stats, with_kl_penalty
 from lit_grpo.math.surrogate import clip_bounds, clipped_surrogate, truncate_ratio
 
 
@@ -29,6 +29,8 @@ class GSPOOptions(GRPOOptions):
         eps_high: upper clip half-width (None: eps_low).
         exact_ref_ratio: clip around r' = the sequence ratio of pi_k / alpha instead of r' = 1.
         ratio_cap: truncated importance sampling on the sequence ratio, s <= ratio_cap (None: no cap).
+        delta: INTELLECT-2's two-sided clip on the sequence ratio (TRL's ``delta``, which it applies to sequence
+            ratios too): the unclipped branch's s is capped at delta, > 1 + eps_high (None: off).
     """
 
     eps_low: float = 3e-4
@@ -42,6 +44,7 @@ class GSPOOptions(GRPOOptions):
                              f"got {self.eps_high}")
         if self.ratio_cap is not None and not self.ratio_cap > 0:
             raise ValueError(f"ratio_cap must be > 0 or None, got {self.ratio_cap}")
+        check_delta(self.delta, self.eps_upper)
 
 
 def sequence_log_ratio(logp: torch.Tensor, alpha_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -76,7 +79,8 @@ def gspo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Te
     tokens in ``clip_low`` / ``clip_high``.
     """
     log_s = sequence_log_ratio(logp, alpha_logp, mask)
-    ratio = truncate_ratio(torch.exp(log_s), config.ratio_cap)
+    raw_ratio = torch.exp(log_s)
+    ratio = truncate_ratio(raw_ratio, config.ratio_cap)
     if config.exact_ref_ratio:
         if pik_logp is None:
             raise ValueError("exact_ref_ratio needs pik_logp (the log-probs of pi_k, the policy before this batch)")
@@ -85,8 +89,10 @@ def gspo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Te
         ref_ratio = 1.0
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     eps_high = config.eps_upper
-    surrogate = clipped_surrogate(ratio, ref_ratio, adv, config.eps_low, eps_high).expand_as(logp)
-    per_token, kl = with_kl_penalty(-surrogate, logp, ref_logp, config.beta, correction)
+    surrogate = clipped_surrogate(ratio, ref_ratio, adv, config.eps_low, eps_high, config.delta).expand_as(logp)
+    # the bias-corrected KL takes the sequence ratio, [S, 1], as TRL's coef_1 at importance_sampling_level="sequence"
+    per_token, kl = with_kl_penalty(-surrogate, logp, ref_logp, config.beta, correction, raw_ratio,
+                                    config.kl_bias_correction)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():

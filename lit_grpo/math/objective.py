@@ -23,19 +23,26 @@ C = TypeVar("C", bound="LossConfig")
 @dataclass(frozen=True)
 class LossConfig:
     """What the config of every built-in loss holds besides its options: ``beta``, the weight of the k3 KL to
-    pi_ref (eq. 7). It is ``model.beta``, set by :meth:`with_beta` when the loss is built, so it is no option of
-    a ``loss_options`` section: ``init=False`` keeps it out of the parser and of a checkpoint's ``loss_options``,
-    ``repr=False`` out of the parser's help (``dataclasses.replace`` refuses it and resets it to 0: call
-    :meth:`with_beta` on the copy). A loss with no options (``red_drop``) takes this class itself."""
+    pi_ref (eq. 7), and ``kl_bias_correction``, whether that KL is weighted by the importance ratio (TRL's
+    ``use_bias_correction_kl``, :func:`with_kl_penalty`). They are ``model.beta`` and ``model.kl_bias_correction``,
+    set by :meth:`with_beta` when the loss is built, so they are no options of a ``loss_options`` section:
+    ``init=False`` keeps them out of the parser and of a checkpoint's ``loss_options``, ``repr=False`` out of the
+    parser's help (``dataclasses.replace`` refuses them and resets them to their defaults: call :meth:`with_beta`
+    on the copy). A loss with no options (``red_drop``) takes this class itself."""
 
     beta: float = field(default=0.0, init=False, repr=False)
+    kl_bias_correction: bool = field(default=False, init=False, repr=False)
 
-    def with_beta(self: C, beta: float) -> C:
-        """A copy of these options that the loss is called with: the same fields, and ``beta``."""
+    def with_beta(self: C, beta: float, kl_bias_correction: bool = False) -> C:
+        """A copy of these options that the loss is called with: the same fields, ``beta`` and
+        ``kl_bias_correction``."""
         if not beta >= 0:
             raise ValueError(f"beta must be >= 0 (model.beta, the KL weight of eq. 7), got {beta}")
+        if not isinstance(kl_bias_correction, bool):
+            raise ValueError(f"kl_bias_correction must be true or false, got {kl_bias_correction!r}")
         config = copy.copy(self)
         object.__setattr__(config, "beta", float(beta))  # frozen, and beta is no argument of __init__
+        object.__setattr__(config, "kl_bias_correction", kl_bias_correction)
         return config
 
 
@@ -61,10 +68,14 @@ class GRPOOptions(ClipBand):
         eps_high: upper clip half-width (None: eps_low).
         exact_ref_ratio: use r' = pi_k / alpha in eq. 6 instead of the paper's practical r' = 1.
         ratio_cap: truncated importance sampling, pi / alpha <= ratio_cap (None: no cap).
+        delta: two-sided clip of INTELLECT-2 (arXiv 2505.07291, TRL's ``delta``): the unclipped branch's ratio is
+            capped at delta, so a token with A < 0 and a huge ratio no longer gets an unbounded loss; must be
+            > 1 + eps_high (None: off).
     """
 
     exact_ref_ratio: bool = False
     ratio_cap: float | None = None
+    delta: float | None = None
 
     def __post_init__(self) -> None:
         if not self.eps_low > 0:
@@ -73,16 +84,35 @@ class GRPOOptions(ClipBand):
             raise ValueError(f"eps_high must be > 0 (the clip half-width of eq. 6), got {self.eps_high}")
         if self.ratio_cap is not None and not self.ratio_cap > 0:
             raise ValueError(f"ratio_cap must be > 0 or None, got {self.ratio_cap}")
+        check_delta(self.delta, self.eps_upper)
+
+
+def check_delta(delta: float | None, eps_high: float) -> None:
+    """Refuse a two-sided clip ``delta`` at or below the band's upper edge ``1 + eps_high``: there it bounds
+    nothing on the A < 0 side it is for (the clipped branch already wins the min) and only tightens the clip of
+    the A > 0 side, a second, hidden ``eps_high``."""
+    if delta is not None and not delta > 1.0 + eps_high:
+        raise ValueError(f"delta must be > 1 + eps_high = {1.0 + eps_high} (INTELLECT-2's cap on the unclipped "
+                         f"ratio, above the clip band) or None, got {delta}")
 
 
 def with_kl_penalty(per_token: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor | None,
-                    beta: float, correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    beta: float, correction: torch.Tensor | None = None, ratio: torch.Tensor | None = None,
+                    bias_correction: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Eq. 7's KL term added to a per-token policy loss, ``c * per_token + beta * KL_k3(pi || pi_ref)``, and the
-    k3 values (None at beta = 0, which needs no pi_ref and adds nothing).
+    KL values added (None at beta = 0, which needs no pi_ref and adds nothing).
 
     ``correction`` ``c`` (``[S, T]``, detached; None: 1) is the sampler correction's weight
     (:mod:`lit_grpo.math.corrections`): it scales the policy term only, as TRL, verl and SkyRL apply theirs; the
-    KL to pi_ref is a regulariser of pi alone, not an expectation over the sampler's tokens."""
+    KL to pi_ref is a regulariser of pi alone, not an expectation over the sampler's tokens.
+
+    ``bias_correction`` (``config.kl_bias_correction``) weights the k3 KL by ``ratio``, the importance ratio
+    ``pi_theta / alpha`` the loss uses (``[S, T]``, or ``[S, 1]`` for a sequence-level loss's sequence ratio), WITH
+    its gradient: ``beta * r * KL_k3`` (DeepSeek-V3.2, arXiv 2512.02556, the unbiased KL estimate; TRL's
+    ``use_bias_correction_kl``, which multiplies its undetached ``coef_1`` before any clip). The tokens were drawn
+    from alpha, so ``r * k3`` estimates KL(pi_theta || pi_ref) under pi_theta, and its gradient is the reverse
+    KL's gradient even on-policy, where r = 1 but d r = r d log pi. The KL values returned are the weighted ones
+    (TRL logs those too)."""
     if correction is not None:
         per_token = per_token * correction
     if not beta > 0:
@@ -90,6 +120,10 @@ def with_kl_penalty(per_token: torch.Tensor, logp: torch.Tensor, ref_logp: torch
     if ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp (the log-probs of pi_ref)")
     kl = k3_kl(logp, ref_logp)
+    if bias_correction:
+        if ratio is None:
+            raise ValueError("kl_bias_correction needs the loss's importance ratio (with_kl_penalty's ratio)")
+        kl = kl * ratio
     return per_token + beta * kl, kl
 
 
@@ -102,11 +136,14 @@ def grpo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Te
 
     Shapes: ``logp``, ``alpha_logp``, ``pik_logp``, ``ref_logp``, ``weights``, ``mask`` are ``[S, T]``
     (sequences x completion tokens); ``advantages`` is ``[S]`` (one per completion, broadcast over its tokens).
-    ``weights`` come from :func:`lit_grpo.math.aggregation.token_weights`. Statistics are sums and extrema over
+    ``weights`` come from :func:`lit_grpo.math.aggregation.token_weights`. ``config.delta`` caps the unclipped
+    branch's ratio (INTELLECT-2's two-sided clip, :func:`lit_grpo.math.surrogate.clipped_surrogate`); the
+    statistics count the clip band's tokens as before. Statistics are sums and extrema over
     the tokens of ``mask`` so that micro-batches can be merged: ``tokens``, ``ratio_sum``, ``ratio_min``,
     ``ratio_max``, ``clip_low``, ``clip_high``, ``kl_sum``.
     """
-    ratio = truncate_ratio(torch.exp(logp - alpha_logp), config.ratio_cap)
+    raw_ratio = torch.exp(logp - alpha_logp)
+    ratio = truncate_ratio(raw_ratio, config.ratio_cap)
     if config.exact_ref_ratio:
         if pik_logp is None:
             raise ValueError("exact_ref_ratio needs pik_logp (the log-probs of pi_k, the policy before this batch)")
@@ -115,8 +152,9 @@ def grpo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Te
         ref_ratio = 1.0
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     eps_high = config.eps_upper
-    per_token, kl = with_kl_penalty(-clipped_surrogate(ratio, ref_ratio, adv, config.eps_low, eps_high), logp,
-                                    ref_logp, config.beta, correction)
+    surrogate = clipped_surrogate(ratio, ref_ratio, adv, config.eps_low, eps_high, config.delta)
+    per_token, kl = with_kl_penalty(-surrogate, logp, ref_logp, config.beta, correction, raw_ratio,
+                                    config.kl_bias_correction)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():

@@ -212,7 +212,8 @@ def reinforce_loss(
     """
     # the regulariser is made first: the graph then sums logp's gradients in the order it always has
     reg = regulariser(logp, alpha_logp, config) if regulariser is not None else None
-    ratio = torch.exp(logp - alpha_logp).detach()
+    raw_ratio = torch.exp(logp - alpha_logp)  # with gradient, for the bias-corrected KL only
+    ratio = raw_ratio.detach()
     kept = keep(ratio, advantages, config) if keep is not None else None
     w: torch.Tensor | float = ratio if importance_sampling else 1.0
     factor = coefficient(advantages, config).to(logp.dtype).unsqueeze(-1) * w
@@ -223,7 +224,8 @@ def reinforce_loss(
         per_token = per_token + reg
     # The KL to pi_ref is not under the REC mask: M clips the policy-gradient term only (as grpo_loss, whose KL is
     # unclipped too).
-    per_token, kl = with_kl_penalty(per_token, logp, ref_logp, config.beta, correction)
+    per_token, kl = with_kl_penalty(per_token, logp, ref_logp, config.beta, correction, raw_ratio,
+                                    config.kl_bias_correction)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():

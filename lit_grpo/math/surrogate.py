@@ -24,8 +24,14 @@ def clipped_surrogate(
     advantages: torch.Tensor,
     eps_low: float,
     eps_high: float,
+    delta: float | None = None,
 ) -> torch.Tensor:
     """``f_eps(r, r', A) = min(r A, clip(r, max(r' - eps_low, 0), r' + eps_high) A)`` of eq. 6.
+
+    ``delta`` (None: off) is INTELLECT-2's two-sided clip (arXiv 2505.07291, TRL's ``delta``):
+    ``min(min(r, delta) A, clip(r, ...) A)``. As in TRL's ``_compute_loss``, the clipped branch is computed from
+    the uncapped r and only the unclipped branch is capped, so for A < 0 the loss is bounded by ``delta |A|``
+    and a token above delta gets no gradient.
 
     ``ratio`` is ``r = pi / alpha`` and ``ref_ratio`` is ``r' = pi_k / alpha`` (a tensor, or the float 1.0
     for the paper's practical choice). Asymmetric ``eps_low`` / ``eps_high`` generalise the single eps of the
@@ -34,7 +40,8 @@ def clipped_surrogate(
     """
     low, high = clip_bounds(ref_ratio, eps_low, eps_high)
     clipped = torch.clamp(ratio, min=low, max=high) if isinstance(low, torch.Tensor) else ratio.clamp(low, high)
-    return torch.minimum(ratio * advantages, clipped * advantages)
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)
+    return torch.minimum(unclipped * advantages, clipped * advantages)
 
 
 def truncate_ratio(ratio: torch.Tensor, cap: float | None) -> torch.Tensor:
