@@ -15,6 +15,10 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from lit_grpo.core.option_groups import as_group
 
+#: ``TransformersOptions.sampler_autocast`` -> the autocast dtype's name in torch
+SAMPLER_AUTOCAST: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16"}
+#: ``ServerOptions.kept_weights_device``'s values
+KEPT_WEIGHTS_DEVICES = ("trainer", "cpu")
 
 @dataclass(frozen=True)
 class TransformersOptions:
@@ -30,12 +34,27 @@ class TransformersOptions:
         compile: compile the static path's decode step into CUDA graphs on a GPU (``false`` also makes ``auto``
             take the dynamic path).
         width_multiple: the static cache's width is a multiple of this many tokens (fewer recompilations).
+        sampler_autocast: ``bf16`` (or ``fp16``): sample under ``torch.autocast`` of that dtype on the engine's
+            device type, while ``score`` (alpha's recompute) keeps the trainer's precision. The sampler's log-probs
+            (mu) then come from a lower-precision pass than alpha's and pi's: on a CPU, the stand-in for a bf16 vLLM
+            against an fp32 trainer. It takes the dynamic decoding path (``decode: static`` is refused: that path
+            samples outside any autocast). ``null`` (default): sample in the trainer's precision.
     """
 
     rescore: bool = True
     decode: Literal["auto", "static", "dynamic"] = "auto"
     compile: bool = True
     width_multiple: int = 64
+    sampler_autocast: Literal["bf16", "fp16"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampler_autocast is not None and (not isinstance(self.sampler_autocast, str)
+                                                  or self.sampler_autocast not in SAMPLER_AUTOCAST):
+            raise ValueError(f"sampler_autocast must be one of {sorted(SAMPLER_AUTOCAST)} or null, "
+                             f"got {self.sampler_autocast!r}")
+        if self.sampler_autocast is not None and self.decode == "static":
+            raise ValueError(f"sampler_autocast={self.sampler_autocast!r} samples on the dynamic path (the static "
+                             "cache samples outside autocast); expected decode 'auto' or 'dynamic', got 'static'")
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,17 @@ class ServerOptions:
             so its URL must be loopback unless this is set (and the server runs with ``LIT_GRPO_ALLOW_REMOTE_PUSH=1``
             for its gloo plugin), on a private network only. The project's server needs no such switch: it
             authenticates every route and binds loopback unless its own ``--host`` says otherwise.
+        keep_pushed_weights: keep a frozen copy of the weights of each push on the trainer (the trainer's tensors,
+            in the trainer's dtype), so that a batch sampled with the last pushed version, trained on after the
+            policy moved on (v > 1, or ``data.max_staleness`` >= 1), gets alpha as that copy's recompute in the
+            trainer's numerics (``alpha_source`` ``recompute``) instead of the server's report: verl's decoupled
+            mode, for a server that cannot rescore (``vllm serve``). Implies ``rescore`` (``false`` with it is
+            refused). With ``model.lora`` the copy is the adapter only (the base is the policy's own); an
+            unsharded policy only. Logged: ``kept_weights_bytes``, ``kept_weights_copy_seconds``,
+            ``alpha_recompute_seconds``.
+        kept_weights_device: where the copy lives between pushes: ``trainer`` (the policy's device: no transfer
+            per recompute, a second copy of the weights in its memory) or ``cpu`` (host memory; moved to the
+            trainer's device for each recompute and back).
     """
 
     url: str | None = None
@@ -126,8 +156,16 @@ class ServerOptions:
     lora_dir: str | None = None
     lora_keep: int | None = None
     allow_remote: bool = False
+    keep_pushed_weights: bool = False
+    kept_weights_device: Literal["trainer", "cpu"] = "trainer"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kept_weights_device, str) or self.kept_weights_device not in KEPT_WEIGHTS_DEVICES:
+            raise ValueError(f"kept_weights_device must be one of {KEPT_WEIGHTS_DEVICES}, "
+                             f"got {self.kept_weights_device!r}")
+        if self.keep_pushed_weights is True and self.rescore is False:
+            raise ValueError("keep_pushed_weights: true recomputes alpha from the kept copy, which rescore: false "
+                             "turns off; drop rescore (it follows keep_pushed_weights) or set it true")
         # which servers is the engine's to check (ServerEngine): its message comes after the sampling checks that
         # depend on the kind alone
         kinds = get_args(get_type_hints(ServerOptions)["kind"])

@@ -5,6 +5,7 @@ seeded sampling with a KV cache, one prompt prefill shared by the prompt's n com
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -19,6 +20,7 @@ from lit_grpo.core.distributed import is_sharded
 from lit_grpo.core.scoring import completion_logprobs, positions_from_mask
 from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
 from lit_grpo.engines.kv_cache import preallocate
+from lit_grpo.engines.options import SAMPLER_AUTOCAST
 from lit_grpo.engines.static_decoding import StaticDecoder
 from lit_grpo.math.logprobs import selective_log_softmax
 from lit_grpo.models.copies import materialize, skeleton_copy
@@ -70,6 +72,11 @@ class TransformersEngine(RolloutEngine):
     only, and the merges of the policy's ``RefModelSwap``s that its base lacks, applied with the trainer's own
     function and checked by the base's hash. A copy made from a LoRA policy holds its base as it is, so it starts
     with all the policy's merges applied (``merges_applied``).
+
+    ``sampler_autocast`` (``bf16`` / ``fp16``): ``generate`` runs under ``torch.autocast`` of that dtype, so the
+    sampler's log-probs (mu) come from a lower-precision pass, while ``score`` (alpha's recompute) stays in the
+    caller's precision: the CPU stand-in for a bf16 vLLM sampling for an fp32 trainer. It takes the dynamic path
+    (``auto`` does; ``static`` is refused), since the static path samples outside any autocast.
     """
 
     def __init__(
@@ -82,9 +89,19 @@ class TransformersEngine(RolloutEngine):
         decode: str = "auto",
         compile: bool = True,
         width_multiple: int = 64,
+        sampler_autocast: str | None = None,
     ) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"unknown decode {decode!r}; expected one of {DECODE_MODES}")
+        if sampler_autocast is not None and (not isinstance(sampler_autocast, str)
+                                             or sampler_autocast not in SAMPLER_AUTOCAST):
+            raise ValueError(f"sampler_autocast must be one of {sorted(SAMPLER_AUTOCAST)} or None, "
+                             f"got {sampler_autocast!r}")
+        if sampler_autocast is not None and decode == "static":
+            raise ValueError(f"sampler_autocast={sampler_autocast!r} samples on the dynamic path (the static cache "
+                             "samples outside autocast); expected decode 'auto' or 'dynamic', got 'static'")
+        #: the autocast dtype sampling runs under (``None``: the caller's precision); ``score`` never takes it
+        self.sampler_autocast = sampler_autocast
         self.decode = decode
         self.static_decoder = StaticDecoder(compile=compile, width_multiple=width_multiple)
         self.owns_weights = copy_weights
@@ -173,18 +190,26 @@ class TransformersEngine(RolloutEngine):
                                "was made, so load_weights must come first (WeightSync does at the start of training)")
         was_training = self.model.training
         try:
-            with torch.inference_mode() if self.owns_weights else torch.no_grad():
+            with torch.inference_mode() if self.owns_weights else torch.no_grad(), self.sampling_precision():
                 if all_finished is None and self.uses_static_decoding():
                     return self._generate_static(prompts, n, sampling, seed)
                 return self._generate(prompts, n, sampling, seed, all_finished)
         finally:
             self.model.train(was_training)  # the caller's mode, also when sampling fails
 
+    def sampling_precision(self) -> contextlib.AbstractContextManager:
+        """``torch.autocast`` of ``sampler_autocast``'s dtype on the engine's device type while sampling (the
+        sampler's log-probs, mu, then come from that pass), else nothing: the caller's precision."""
+        if self.sampler_autocast is None:
+            return contextlib.nullcontext()
+        dtype = getattr(torch, SAMPLER_AUTOCAST[self.sampler_autocast])
+        return torch.autocast(self.device.type, dtype=dtype)
+
     def uses_static_decoding(self) -> bool:
         """Whether ``generate`` takes the static-cache path. A sharded (FSDP) model, which evaluation may borrow
         even in one process, always takes the dynamic path: ``generate`` and its compilation expect a plain model."""
-        if is_sharded(self.model):
-            return False
+        if is_sharded(self.model) or self.sampler_autocast is not None:
+            return False  # the static path samples in float32 outside any autocast
         if self.decode == "auto":
             return self.static_decoder.compile and self.device.type == "cuda"
         return self.decode == "static"
@@ -306,6 +331,8 @@ class TransformersEngine(RolloutEngine):
 
     @torch.inference_mode()
     def score(self, layout: ScoringLayout, temperature: float) -> torch.Tensor | None:
+        """alpha's log-probs in the caller's precision (the trainer's forward context), never under
+        ``sampler_autocast``: the recompute is the trainer's function of the engine's weights."""
         if not self.rescore:
             return None
         out = torch.zeros(layout.completion_ids.shape, dtype=torch.float32, device=layout.completion_ids.device)

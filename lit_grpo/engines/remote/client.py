@@ -24,7 +24,9 @@ Generation is two steps (``RemoteEngine``), so that a background thread can run 
 
 from __future__ import annotations
 
+import json
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -44,9 +46,11 @@ from lit_grpo.engines.base import (
     RemoteEngine,
     Rollouts,
     SamplingConfig,
+    ScoringLayout,
 )
 from lit_grpo.engines.options import ServerOptions
 from lit_grpo.engines.remote.connection import ServerConnection
+from lit_grpo.engines.remote.kept_weights import LORA_SPEC_KEY, MERGES_KEY, KeptWeights
 from lit_grpo.engines.remote.reference_client import ReferenceClient
 from lit_grpo.engines.remote.weight_push import WeightPusher
 from lit_grpo.engines.sampling_fields import vllm_sampling_fields
@@ -89,7 +93,9 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         self.kind = options.kind
         self.timeout_s = float(options.timeout_s)
         self.generate_timeout_s = float(options.generate_timeout_s)
-        self.rescore = (options.kind == "lit_grpo") if options.rescore is None else bool(options.rescore)
+        # a kept copy of the pushed weights is the trainer's function of them: alpha is its recompute
+        default_rescore = options.kind == "lit_grpo" or options.keep_pushed_weights
+        self.rescore = default_rescore if options.rescore is None else bool(options.rescore)
         stops = options.stop_token_ids
         self.stop_token_ids = sorted({int(t) for t in stops}) if stops is not None else []
         self.lockstep = bool(options.lockstep)
@@ -103,6 +109,10 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         self.reference = ReferenceClient(self.servers[0], self.generate_timeout_s)
         self._merges_applied: int | None = None  # asked of the servers at the first LoRA push
         self.vllm_adapters = None  # kind vllm with model.lora: vllm_client.ServeAdapters, made at the first push
+        #: the trainer's copy of the last pushed weights (``keep_pushed_weights``), which ``score`` recomputes
+        self.kept_weights: KeptWeights | None = None
+        if options.keep_pushed_weights:
+            self.kept_weights = KeptWeights(self._kept_policy, options.kept_weights_device)
         close_at_exit(self.close)  # the end of a fit run from the command line; a library user may call it sooner
 
     # ---- servers ------------------------------------------------------------------------------------
@@ -146,6 +156,12 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
             adapters.close()
 
     # ---- weights ------------------------------------------------------------------------------------
+    def _kept_policy(self) -> nn.Module:
+        if self.pusher._policy is None:
+            raise ValueError("keep_pushed_weights needs the policy module (ServerEngine(policy=...); the data module "
+                             "passes it)")
+        return self.pusher.policy()
+
     def _before_push(self) -> None:
         """Every rank runs the hooks (the asynchronous producer's drain: batches already requested finish first),
         then, when there are any, waits for the others, so that rank 0 pauses the servers only once every rank's
@@ -161,6 +177,9 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         record the version the servers report. Raises ``ServerError`` on every rank if the push failed on any
         server; a server left behind keeps its previous weights and version."""
         self._before_push()
+        kept = self.kept_weights
+        if kept is not None:  # copied as the push takes each tensor: no second gather
+            named_tensors = kept.keeping(named_tensors)
         try:
             versions = self.pusher.push(named_tensors, str(int(step)), "policy")
         except ServerError:
@@ -170,6 +189,8 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         for server in self.servers:
             server.expected_version = versions[server.url]
         self.synced_step = int(versions[self.servers[0].url])
+        if kept is not None:
+            kept.commit(self.synced_step)
 
     @property
     def merges_applied(self) -> int:
@@ -193,12 +214,21 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         (``lit_grpo.serve.served_adapter``: they sample with base plus adapter, unmerged, and check their base
         against ``update.base_hash``). Only rank 0's update is sent; every rank holds the same one. With
         ``data.reference_on_server`` the servers' pi_ref is their base with the adapter off, labelled with the merges
-        it holds, so no pi_ref is pushed."""
+        it holds, so no pi_ref is pushed. With ``keep_pushed_weights`` the trainer keeps the adapter pushed
+        (``KeptWeights.keep_adapter``)."""
         if not isinstance(update, AdapterUpdate):
             raise TypeError(f"load_adapter takes an AdapterUpdate, got {type(update).__name__}")
+        if self.kept_weights is not None:
+            self.kept_weights.invalidate()  # until this push is through
         if self.kind == "vllm":
             self._load_vllm_adapter(update, step)
-            return
+        else:
+            self._load_served_adapter(update, step)
+        if self.kept_weights is not None:  # the adapter only: the base is the policy's, at this many merges
+            self.kept_weights.keep_adapter(update.adapter, update.spec, self.merges_applied, self.synced_step)
+
+    def _load_served_adapter(self, update: AdapterUpdate, step: int) -> None:
+        """The project's server: the adapter and the merges its base lacks, over the weight transfer."""
         if self.pusher.dtype != next(iter(update.adapter.values())).dtype:
             raise ValueError(f"model.lora with the project's server needs it to hold the policy's dtype "
                              f"({next(iter(update.adapter.values())).dtype}), not {self.pusher.dtype}: its base must "
@@ -400,12 +430,50 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         return [completions[p * n : (p + 1) * n] for p in range(num_prompts)]
 
     # ---- the rest of the interface ------------------------------------------------------------------
+    def score(self, layout: ScoringLayout, temperature: float) -> torch.Tensor | None:
+        """With ``keep_pushed_weights``: the kept copy's log-probs of a batch sampled with the last pushed version
+        (``KeptWeights.score``, in the caller's precision context: the data module gives the trainer's), so alpha
+        is the trainer's recompute; ``None`` otherwise (alpha is the servers' report)."""
+        if self.kept_weights is None:
+            return None
+        return self.kept_weights.score(layout, temperature, self.synced_step)
+
+    def kept_weights_stats(self) -> dict[str, float]:
+        """``KeptWeights.stats`` (empty without ``keep_pushed_weights``): the batch statistics of the kept copy."""
+        return {} if self.kept_weights is None else self.kept_weights.stats()
+
     def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """``None``: the weights live in the server. A checkpoint taken while the server lags the policy (v > 1,
-        between syncs) therefore cannot restore it; the resumed run pushes the current policy instead
-        (``WeightSync`` warns) and is not an exact continuation. Checkpoints taken right after a sync resume
-        exactly."""
-        return None
+        """With ``keep_pushed_weights``: the kept copy (``KeptWeights.state_dict``), which ``load_state_dict`` pushes
+        back to the servers and keeps again, so a checkpoint taken while the servers lag the policy resumes exactly
+        (same weights sampled, same alpha). Otherwise ``None``: the weights live in the server, and such a checkpoint
+        resumes from the current policy (``WeightSync`` warns), not an exact continuation. Checkpoints taken right
+        after a sync resume exactly either way (the resumed run pushes the policy, which is the kept copy)."""
+        if self.kept_weights is None or self.kept_weights.version != self.synced_step:
+            return None
+        return self.kept_weights.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """Push ``state_dict``'s weights to the servers (and keep them): full tensors as a full push; a kept adapter
+        as an adapter push carrying the policy's merges the servers lack, when the policy's base still holds the
+        merges it was pushed against (else the current adapter, with a warning: not an exact continuation)."""
+        state = dict(state)
+        spec, merges = state.pop(LORA_SPEC_KEY, None), state.pop(MERGES_KEY, None)
+        if spec is None:
+            self.load_weights(state.items(), step)
+            return
+        from lit_grpo.models.lora import adapter_update, base_hash, merge_log
+
+        policy = self.pusher.policy()
+        entries = merge_log(policy).entries
+        if int(merges) != len(entries):
+            warnings.warn(f"the checkpoint's kept adapter was pushed against {merges} merges and the policy has made "
+                          f"{len(entries)}: the servers get the current adapter, so this run is not an exact "
+                          "continuation", stacklevel=2)
+            self.load_adapter(adapter_update(policy, self.merges_applied, with_hash=True, step=step), step)
+            return
+        update = AdapterUpdate(spec=json.loads(spec), merges=tuple(entries[self.merges_applied:]), adapter=state,
+                               base_hash=base_hash(policy), step=int(step))
+        self.load_adapter(update, step)
 
 
 def check_servers(options: ServerOptions) -> None:
