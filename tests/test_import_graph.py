@@ -233,6 +233,7 @@ KNOWN_CONCRETE_BASES = {
     ("lit_grpo.math.rec.REDWeightOptions", "lit_grpo.math.objective.LossConfig"),
     ("lit_grpo.math.gspo.GSPOOptions", "lit_grpo.math.objective.GRPOOptions"),
     ("lit_grpo.math.cispo.CISPOOptions", "lit_grpo.math.objective.LossConfig"),
+    ("lit_grpo.math.dppo.DPPOOptions", "lit_grpo.math.objective.LossConfig"),
     ("lit_grpo.math.sapo.SAPOOptions", "lit_grpo.math.objective.LossConfig"),
     ("lit_grpo.math.luspo.LUSPOOptions", "lit_grpo.math.gspo.GSPOOptions"),
     ("lit_grpo.math.vespo.VESPOOptions", "lit_grpo.math.objective.LossConfig"),

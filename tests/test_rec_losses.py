@@ -269,7 +269,7 @@ def test_all_masked_batch_gives_zero_loss_and_finite_stats():
 def test_registry_names_interface_and_stats_keys():
     assert list(LOSSES) == [
         "grpo", "gspo", "cispo", "rec_oneside_nois", "rec_oneside_is", "rec_twoside_is", "rec_ring", "red_drop",
-        "red_weight", "opmd", "asymre",
+        "red_weight", "opmd", "asymre", "sapo", "luspo", "vespo", "gmpo", "dppo_tv", "dppo_kl",
     ]
     assert LOSSES["grpo"] is grpo_loss
     b = _batch(requires_grad=False)

@@ -12,7 +12,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from lit_grpo.core.batch import MicroBatch
 from lit_grpo.core.cache_argument import cache_kwarg, output_cache
-from lit_grpo.math.logprobs import selective_log_softmax_with_normaliser, token_entropy
+from lit_grpo.math.logprobs import differentiable_entropy, selective_log_softmax_with_normaliser, token_entropy
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -21,9 +21,10 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def completion_logprobs(
-    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False
+    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(logits / T)`` of each completion token, shape ``[s, C']``, and optionally the entropy.
+    """``log softmax(logits / T)`` of each completion token, shape ``[s, C']``, and optionally the entropy (with
+    its gradient when ``entropy_grad``: an entropy bonus; else a detached statistic).
 
     The prompt is run once per distinct prompt; its KV cache is then indexed out to the completions that
     share it (a differentiable gather), and the completions run on top. This is the same computation as a
@@ -42,7 +43,9 @@ def completion_logprobs(
     for logits, tokens in pieces:
         logp, normaliser = selective_log_softmax_with_normaliser(logits, tokens, temperature)
         logps.append(logp)
-        if with_entropy:
+        if with_entropy and entropy_grad:
+            entropies.append(differentiable_entropy(logits, temperature, normaliser))
+        elif with_entropy:
             entropies.append(token_entropy(logits.detach(), temperature, normaliser))
     return torch.cat(logps, dim=1), torch.cat(entropies, dim=1) if with_entropy else None
 
@@ -138,7 +141,7 @@ class _ValueOfFirst(torch.autograd.Function):
 
 
 def policy_logprobs(
-    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False
+    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-probs a gradient pass feeds the loss: :func:`completion_logprobs`, or, when ``model`` has active
     dropout and grad is on, log-probs whose *values* are the policy's without dropout (a no-grad pass inside
@@ -149,10 +152,11 @@ def policy_logprobs(
     mask's, not 1; with the substitution it is exactly 1 there (and pi_k, the first iteration's values, is the
     policy itself), while the update still gets dropout's noisy gradient, ``ratio * A * grad log pi_dropout``.
     Costs one extra no-grad forward per micro-batch; without dropout nothing changes. The entropy comes from the
-    dropout-free pass."""
+    dropout-free pass; one with a gradient (``entropy_grad``, an entropy bonus) from the pass with dropout, the
+    pass that carries gradients."""
     if not (torch.is_grad_enabled() and active_dropout(model)):
-        return completion_logprobs(model, mb, temperature, with_entropy)
+        return completion_logprobs(model, mb, temperature, with_entropy, entropy_grad)
     with torch.no_grad(), dropout_off(model):
-        value, entropy = completion_logprobs(model, mb, temperature, with_entropy)
-    carrier, _ = completion_logprobs(model, mb, temperature)
-    return _ValueOfFirst.apply(value, carrier), entropy
+        value, entropy = completion_logprobs(model, mb, temperature, with_entropy and not entropy_grad)
+    carrier, carried_entropy = completion_logprobs(model, mb, temperature, with_entropy and entropy_grad, entropy_grad)
+    return _ValueOfFirst.apply(value, carrier), carried_entropy if entropy_grad else entropy

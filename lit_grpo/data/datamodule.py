@@ -557,10 +557,15 @@ class RolloutDataModule(L.LightningDataModule):
                  **({"overlong_penalty": float(penalties.mean())} if penalties is not None else {}), **stats}
         padded = pad_rollouts(prompts, groups, pad_token_id(self.tokenizer), self.micro_batch_size,
                               self.module_device())
-        with self.precision_context():
+        # a server engine's kept copy of the pushed weights (keep_pushed_weights) recomputes alpha on the trainer, in
+        # its forward precision as the in-process engine does; the copy's memory and times go with the batch
+        kept = getattr(self.rollout_engine, "kept_weights", None) is not None
+        with self.trainer.precision_plugin.forward_context() if kept and self.trainer is not None \
+                else self.precision_context():
             alpha, alpha_source = self.alpha_logprobs(padded, sampled_step)
         timings = {"rollout_seconds": time.perf_counter() - start, "generate_seconds": generate_seconds,
-                   **({"reference_seconds": rollouts.reference_seconds} if self.scores_reference else {})}
+                   **({"reference_seconds": rollouts.reference_seconds} if self.scores_reference else {}),
+                   **(self.rollout_engine.kept_weights_stats() if kept else {})}
         origin = BatchOrigin(
             batch_index=prompt_batch.batch_index, rollout_step=sampled_step, alpha_logp=alpha,
             alpha_source=alpha_source,

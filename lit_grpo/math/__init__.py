@@ -13,10 +13,29 @@ from lit_grpo.math.aggregation import (
     zero_variance_masked_weights,
 )
 from lit_grpo.math.cispo import CISPOOptions, cispo_loss, cispo_weight
+from lit_grpo.math.corrections import (
+    CORRECTION_MODES,
+    CorrectionOptions,
+    CorrectionWeight,
+    correction_weight,
+    mismatch_stats,
+)
+from lit_grpo.math.dppo import DPPOKLOptions, DPPOOptions, dppo_kl_loss, dppo_tv_loss
+from lit_grpo.math.entropy_terms import (
+    EntropyOptions,
+    adaptive_entropy_coefficient,
+    applied_entropy_coefficient,
+    entropy_bonus,
+    entropy_threshold,
+    high_entropy_mask,
+)
+from lit_grpo.math.gmpo import GMPOOptions, gmpo_clipped_log_ratio, gmpo_loss
 from lit_grpo.math.gspo import GSPOOptions, gspo_loss, sequence_log_ratio
 from lit_grpo.math.kl import k3_kl
 from lit_grpo.math.logprobs import selective_log_softmax, token_entropy
+from lit_grpo.math.luspo import LUSPOOptions, luspo_loss
 from lit_grpo.math.objective import ClipBand, GRPOOptions, LossConfig, LossFn, grpo_loss, with_kl_penalty
+from lit_grpo.math.overlong import soft_overlong_penalty
 from lit_grpo.math.pass_at_k import pass_at_k
 from lit_grpo.math.rec import (
     ClipOptions,
@@ -42,22 +61,36 @@ from lit_grpo.math.rec import (
     ring_mask,
     two_side_mask,
 )
+from lit_grpo.math.sapo import SAPOOptions, sapo_gate, sapo_loss
 from lit_grpo.math.surrogate import clip_bounds, clipped_surrogate, truncate_ratio
 from lit_grpo.math.tv import TVEstimate, group_reward_std, tv_estimate, tv_from_sum_count
+from lit_grpo.math.vespo import VESPOOptions, gamma_weight, sequence_log_weight, vespo_loss
 
 __all__ = [
     "AGGREGATION_MODES",
+    "CORRECTION_MODES",
     "CISPOOptions",
     "ClipBand",
     "ClipOptions",
+    "CorrectionOptions",
+    "CorrectionWeight",
+    "DPPOKLOptions",
+    "DPPOOptions",
+    "EntropyOptions",
+    "GMPOOptions",
     "GRPOOptions",
     "GSPOOptions",
+    "LUSPOOptions",
     "LossConfig",
     "LossFn",
     "REDWeightOptions",
+    "SAPOOptions",
     "RingOptions",
     "TVEstimate",
     "TauOptions",
+    "VESPOOptions",
+    "adaptive_entropy_coefficient",
+    "applied_entropy_coefficient",
     "advantage_coefficient",
     "asymre_coefficient",
     "asymre_loss",
@@ -65,11 +98,22 @@ __all__ = [
     "cispo_weight",
     "clip_bounds",
     "clipped_surrogate",
+    "correction_weight",
+    "dppo_kl_loss",
+    "dppo_tv_loss",
+    "entropy_bonus",
+    "entropy_threshold",
+    "gamma_weight",
+    "gmpo_clipped_log_ratio",
+    "gmpo_loss",
     "group_advantages",
     "group_reward_std",
     "grpo_loss",
     "gspo_loss",
+    "high_entropy_mask",
     "k3_kl",
+    "luspo_loss",
+    "mismatch_stats",
     "one_side_mask",
     "opmd_loss",
     "opmd_regulariser",
@@ -85,14 +129,19 @@ __all__ = [
     "red_weights",
     "reinforce_loss",
     "ring_mask",
+    "sapo_gate",
+    "sapo_loss",
     "selective_log_softmax",
     "sequence_log_ratio",
+    "sequence_log_weight",
+    "soft_overlong_penalty",
     "token_entropy",
     "token_weights",
     "truncate_ratio",
     "tv_estimate",
     "tv_from_sum_count",
     "two_side_mask",
+    "vespo_loss",
     "with_kl_penalty",
     "zero_variance_dropped_weights",
     "zero_variance_mask",

@@ -100,7 +100,8 @@ def _dppo_loss(keep_fn: Callable[..., torch.Tensor], logp: torch.Tensor, alpha_l
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     keep = keep_fn(logp, alpha_logp, advantages, config.delta_low, config.delta_high)
     per_token = -(ratio * adv) * keep.to(logp.dtype)
-    per_token, kl = with_kl_penalty(per_token, logp, ref_logp, config.beta, correction)
+    per_token, kl = with_kl_penalty(per_token, logp, ref_logp, config.beta, correction, ratio,
+                                    config.kl_bias_correction)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():

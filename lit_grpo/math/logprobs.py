@@ -81,6 +81,18 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0,
     return out.reshape(normaliser.shape)
 
 
+def differentiable_entropy(logits: torch.Tensor, temperature: float = 1.0,
+                           normaliser: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy ``logsumexp(z) - sum softmax(z) z`` of ``softmax(logits / temperature)`` at each position, with its
+    gradient: the term of an entropy bonus (TRL's ``entropy_coef``; :mod:`lit_grpo.math.entropy_terms`). The same
+    value as :func:`token_entropy`, without its chunked in-place passes, which autograd cannot record."""
+    scaled = upcast(logits)
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    lse = torch.logsumexp(scaled, dim=-1) if normaliser is None else normaliser
+    return lse - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
+
+
 def upcast(logits: torch.Tensor) -> torch.Tensor:
     """16-bit logits in float32, so that the normaliser is summed in float32; float32 and float64 as they are."""
     return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()

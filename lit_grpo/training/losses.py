@@ -59,9 +59,14 @@ from lit_grpo.core.import_paths import resolve_callable
 from lit_grpo.core.option_groups import as_group
 from lit_grpo.math import rec
 from lit_grpo.math.cispo import CISPOOptions, cispo_loss
+from lit_grpo.math.dppo import DPPOKLOptions, DPPOOptions, dppo_kl_loss, dppo_tv_loss
+from lit_grpo.math.gmpo import GMPOOptions, gmpo_loss
 from lit_grpo.math.gspo import GSPOOptions, gspo_loss
+from lit_grpo.math.luspo import LUSPOOptions, luspo_loss
 from lit_grpo.math.objective import GRPOOptions, LossConfig, LossFn, grpo_loss
 from lit_grpo.math.rec import ClipOptions, REDWeightOptions, RingOptions, TauOptions
+from lit_grpo.math.sapo import SAPOOptions, sapo_loss
+from lit_grpo.math.vespo import VESPOOptions, vespo_loss
 
 #: a loss's batch hook: ``(batch, rank) -> (shaped copy of batch, [S] keep mask or None)``
 BatchHook = Callable[[RolloutBatch, int], tuple[RolloutBatch, "torch.Tensor | None"]]
@@ -89,6 +94,10 @@ class LossOptions:
         grpo: options of ``grpo`` (eq. 6/7).
         gspo: options of ``gspo`` (GSPO: eq. 6's clip on one ratio per sequence).
         cispo: options of ``cispo`` (CISPO: REINFORCE with a clipped importance weight).
+        sapo: options of ``sapo`` (SAPO: a sigmoid gate of the token ratio instead of the clip).
+        luspo: options of ``luspo`` (LUSPO: GSPO's sequence clip; use loss_aggregation seq_mean_token_sum).
+        vespo: options of ``vespo`` (VESPO: REINFORCE weighted by a Gamma-shaped function of the sequence ratio).
+        gmpo: options of ``gmpo`` (GMPO: the geometric mean of the token ratios, clipped in log space).
         rec_oneside_nois: options of ``rec_oneside_nois``.
         rec_oneside_is: options of ``rec_oneside_is``.
         rec_twoside_is: options of ``rec_twoside_is``.
@@ -96,6 +105,8 @@ class LossOptions:
         red_weight: options of ``red_weight``.
         opmd: options of ``opmd``.
         asymre: options of ``asymre``.
+        dppo_tv: options of ``dppo_tv`` (DPPO's Binary-TV trust-region mask).
+        dppo_kl: options of ``dppo_kl`` (DPPO's Binary-KL trust-region mask).
         custom: options of your own loss (``model.loss: package.module:function``), checked against the dataclass
             its ``config`` parameter is annotated with.
     """
@@ -103,6 +114,10 @@ class LossOptions:
     grpo: GRPOOptions = GRPOOptions()
     gspo: GSPOOptions = GSPOOptions()
     cispo: CISPOOptions = CISPOOptions()
+    sapo: SAPOOptions = SAPOOptions()
+    luspo: LUSPOOptions = LUSPOOptions()
+    vespo: VESPOOptions = VESPOOptions()
+    gmpo: GMPOOptions = GMPOOptions()
     rec_oneside_nois: ClipOptions = ClipOptions()
     rec_oneside_is: ClipOptions = ClipOptions()
     rec_twoside_is: ClipOptions = ClipOptions()
@@ -110,6 +125,8 @@ class LossOptions:
     red_weight: REDWeightOptions = REDWeightOptions()
     opmd: TauOptions = TauOptions()
     asymre: TauOptions = TauOptions()
+    dppo_tv: DPPOOptions = DPPOOptions()
+    dppo_kl: DPPOKLOptions = DPPOKLOptions()
     custom: dict[str, Any] = field(default_factory=dict)
 
 
@@ -156,6 +173,12 @@ BUILTIN_LOSSES: dict[str, LossEntry] = {
     "red_weight": LossEntry(rec.red_weight_loss),
     "opmd": LossEntry(rec.opmd_loss),
     "asymre": LossEntry(rec.asymre_loss),
+    "sapo": LossEntry(sapo_loss),
+    "luspo": LossEntry(luspo_loss),
+    "vespo": LossEntry(vespo_loss),
+    "gmpo": LossEntry(gmpo_loss),
+    "dppo_tv": LossEntry(dppo_tv_loss),
+    "dppo_kl": LossEntry(dppo_kl_loss),
 }
 
 # the built-in losses that have options: LossOptions' fields but ``custom``
@@ -171,11 +194,11 @@ def config_class(fn: LossFn, spec: str) -> type | None:
     return kind if isinstance(kind, type) else None
 
 
-def builtin_config(name: str, options: LossOptions, beta: float) -> LossConfig:
+def builtin_config(name: str, options: LossOptions, beta: float, kl_bias_correction: bool = False) -> LossConfig:
     """The config built-in loss ``name`` is called with: its section of ``options`` (for a loss without options,
-    its options class's defaults), with ``beta`` = ``model.beta``."""
+    its options class's defaults), with ``beta`` = ``model.beta`` and ``kl_bias_correction``."""
     section = getattr(options, name) if name in _SECTIONS else config_class(BUILTIN_LOSSES[name].fn, name)()
-    return section.with_beta(beta)
+    return section.with_beta(beta, kl_bias_correction)
 
 
 @dataclass(frozen=True)
@@ -234,10 +257,14 @@ def takes_correction(fn: LossFn) -> bool:
     return any(p.name == "correction" or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _custom_config(fn: LossFn, spec: str, options: Mapping[str, Any], beta: float) -> object:
+def _custom_config(fn: LossFn, spec: str, options: Mapping[str, Any], beta: float,
+                   kl_bias_correction: bool = False) -> object:
     """``config`` of your own loss: its ``config`` annotation's dataclass built from the options (and beta; a
     subclass of :class:`LossConfig`, as the built-in losses' options are, gets it by ``with_beta``)."""
     kind = config_class(fn, spec)
+    if kl_bias_correction and not (isinstance(kind, type) and issubclass(kind, LossConfig)):
+        raise ValueError(f"kl_bias_correction needs a loss whose config is a LossConfig (it reads "
+                         f"config.kl_bias_correction); loss {spec!r} takes {getattr(kind, '__name__', kind)}")
     if kind is None or not is_dataclass(kind):
         return CustomLossConfig(beta=beta, options=dict(options))
     names = [f.name for f in fields(kind) if f.init]
@@ -257,14 +284,16 @@ def _custom_config(fn: LossFn, spec: str, options: Mapping[str, Any], beta: floa
                          "requires")
     try:
         config = kind(**kwargs)
-        return config.with_beta(beta) if isinstance(config, LossConfig) else config
+        return config.with_beta(beta, kl_bias_correction) if isinstance(config, LossConfig) else config
     except (TypeError, ValueError) as e:
         raise ValueError(f"loss_options.custom: {kind.__name__} (the config of loss {spec!r}) refuses them: {e}") from e
 
 
-def build_loss(spec: str, options: LossOptions | Mapping[str, Any] | None, beta: float) -> PolicyLoss:
-    """Resolve ``model.loss`` and make its config from ``options`` and ``beta``; every check runs here, before any
-    model loads. A section of ``options`` that the chosen loss does not read must be at its defaults."""
+def build_loss(spec: str, options: LossOptions | Mapping[str, Any] | None, beta: float,
+               kl_bias_correction: bool = False) -> PolicyLoss:
+    """Resolve ``model.loss`` and make its config from ``options``, ``beta`` and ``kl_bias_correction`` (the KL
+    weighted by the importance ratio, :func:`lit_grpo.math.objective.with_kl_penalty`); every check runs here,
+    before any model loads. A section of ``options`` that the chosen loss does not read must be at its defaults."""
     options = as_group(LossOptions, options, "loss_options")
     entry = BUILTIN_LOSSES.get(spec) if isinstance(spec, str) else None
     read = "custom" if entry is None else (spec if spec in _SECTIONS else None)
@@ -276,9 +305,9 @@ def build_loss(spec: str, options: LossOptions | Mapping[str, Any] | None, beta:
         raise ValueError(f"loss_options.{stray[0]} is set ({getattr(options, stray[0])}) but model.loss {spec!r} "
                          f"{reads}; remove it or pick that loss")
     if entry is not None:
-        return PolicyLoss(spec, entry.fn, builtin_config(spec, options, beta), entry.shape_batch)
+        return PolicyLoss(spec, entry.fn, builtin_config(spec, options, beta, kl_bias_correction), entry.shape_batch)
     fn = resolve_loss_function(spec)
-    return PolicyLoss(spec, fn, _custom_config(fn, spec, options.custom, beta))
+    return PolicyLoss(spec, fn, _custom_config(fn, spec, options.custom, beta, kl_bias_correction))
 
 
 def check_loss_output(name: str, output: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

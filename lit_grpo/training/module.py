@@ -38,12 +38,19 @@ from lit_grpo.math.aggregation import (
     zero_variance_dropped_weights,
     zero_variance_masked_weights,
 )
+from lit_grpo.math.corrections import CorrectionOptions, correction_weight, mismatch_stats
+from lit_grpo.math.entropy_terms import (
+    EntropyOptions,
+    adaptive_entropy_coefficient,
+    applied_entropy_coefficient,
+    high_entropy_mask,
+)
 from lit_grpo.math.tv import tv_estimate
 from lit_grpo.models.copies import frozen_copy
 from lit_grpo.models.loading import checkpointing_call, disable_dropout, load_model_and_tokenizer
 from lit_grpo.models.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_model_of
 from lit_grpo.training.flops import device_peak_flops, parameter_count, processed_tokens
-from lit_grpo.training.losses import LossOptions, build_loss, check_loss_output
+from lit_grpo.training.losses import LossOptions, build_loss, check_loss_output, takes_correction
 from lit_grpo.training.measured_metrics import log_measured
 from lit_grpo.training.optim import OptimizerArgs, build_optimizer
 from lit_grpo.training.precision import check_trainer_precision, check_weights_dtype
@@ -92,6 +99,19 @@ class GRPOModule(L.LightningModule):
         monitor_tv_after_update: measure TV(pi, alpha) after the batch's last optimizer step with one extra
             no-grad pass over the batch (Theorem 1 monitor, ``tv/pi_alpha``); off: no extra pass, and
             ``tv/pi_alpha`` is measured at the last iteration's forward, before its optimizer step.
+        correction: the sampler correction, for every loss (``mode``: ``token_truncate``, ``token_mask``,
+            ``sequence_truncate``, ``sequence_mask``, ``icepop``, ``geometric_mask``, ``off_policy_mask``,
+            ``dppo_tv``, ``dppo_kl``; ``old_policy``: ``proximal`` or ``decoupled``; ``low`` / ``high``: its bounds;
+            ``lit_grpo.math.corrections``, docs/corrections.md): a per-token weight on the policy term from the
+            sampler's log-probs mu against pi_old, pi_k (``proximal``) or alpha recomputed by the trainer
+            (``decoupled``), and the loss's denominator becomes that pi_old.
+        entropy: the entropy terms (``lit_grpo.math.entropy_terms``): ``top_entropy_quantile`` (train on the
+            highest-entropy tokens only), ``coef`` (an entropy bonus, ``- coef * mean entropy``), ``adaptive`` and
+            its target and step (TRL's adaptive entropy control).
+        kl_bias_correction: weight each token's k3 KL by the importance ratio pi / pi_old (TRL's
+            ``use_bias_correction_kl``), so the KL is estimated under pi rather than under the sampler.
+        mask_truncated_completions: leave the completions that hit ``max_new_tokens`` without an end token out of
+            the loss, denominators included (TRL's ``mask_truncated_completions``, DAPO's overlong filtering).
         peak_flops: one device's peak FLOP/s, the denominator of ``train/mfu`` (model FLOP utilisation of the
             update, see ``lit_grpo.training.flops``). None: the bf16 dense peak of the CUDA device when
             ``lit_grpo.training.flops.PEAK_BF16_FLOPS`` knows it; on a CPU or an unknown device no MFU is logged.
@@ -116,6 +136,10 @@ class GRPOModule(L.LightningModule):
         loss: str = "grpo",
         loss_options: LossOptions = LossOptions(),  # noqa: B008 (frozen)
         monitor_tv_after_update: bool = True,
+        correction: CorrectionOptions = CorrectionOptions(),  # noqa: B008 (frozen)
+        entropy: EntropyOptions = EntropyOptions(),  # noqa: B008 (frozen)
+        kl_bias_correction: bool = False,
+        mask_truncated_completions: bool = False,
         peak_flops: float | None = None,
         lora: LoraArgs | None = None,
     ) -> None:
@@ -138,12 +162,26 @@ class GRPOModule(L.LightningModule):
         self.optimizer_args = as_group(OptimizerArgs, optimizer, "optimizer")
         self.lora_args = None if lora is None else as_group(LoraArgs, lora, "lora")
         # the loss is resolved and its options checked now, so a bad name, path or option fails before a model loads
-        self.policy_loss = build_loss(loss, loss_options, beta)
+        self.policy_loss = build_loss(loss, loss_options, beta, kl_bias_correction=kl_bias_correction)
         self.loss_fn, self.loss_config = self.policy_loss.fn, self.policy_loss.config
+        self.correction = as_group(CorrectionOptions, correction, "correction")
+        self.entropy_options = as_group(EntropyOptions, entropy, "entropy")
+        # correction (or the top-entropy mask, which travels the same way) needs a loss that takes the weight
+        self.passes_correction = takes_correction(self.loss_fn)
+        if not self.passes_correction and (self.correction.mode != "none"
+                                           or self.entropy_options.top_entropy_quantile < 1.0):
+            what = (f"model.correction.mode={self.correction.mode!r}" if self.correction.mode != "none"
+                    else f"model.entropy.top_entropy_quantile={self.entropy_options.top_entropy_quantile}")
+            raise ValueError(f"{what} needs a loss that takes the `correction` keyword (a per-token weight on the "
+                             f"policy term); loss {loss!r} does not: add `correction=None` to its signature")
+        #: the entropy bonus's coefficient now (TRL's adaptive control moves it; a checkpoint keeps it)
+        self.entropy_coef = float(self.entropy_options.coef)
+        self._last_entropy: float | None = None
         check_weights_dtype(dtype, self.optimizer_args.lr)
         # a checkpoint keeps the groups as plain dicts (it is read with torch.load(weights_only=True));
         # save_hyperparameters reads the arguments from this frame, so they are rebound to those dicts first
         optimizer, loss_options = plain(self.optimizer_args), plain(as_group(LossOptions, loss_options, "loss_options"))
+        correction, entropy = plain(self.correction), plain(self.entropy_options)
         lora = None if self.lora_args is None else plain(self.lora_args)
         self.save_hyperparameters()
         self.automatic_optimization = False
@@ -167,6 +205,7 @@ class GRPOModule(L.LightningModule):
         self.reference_version = 0
         self._reference_served = False
         self._grad_norms: list[torch.Tensor] = []
+        self._micro_batches_per_step = 1  # the entropy bonus's share of a step (set by each training_step)
         if gradient_checkpointing:
             # the reference copy is a plain copy: it never recomputes (no grad) and keeps its KV cache
             checkpointing_call(self.policy, "enable")()
@@ -275,10 +314,13 @@ class GRPOModule(L.LightningModule):
     def loss_weights(self, batch: RolloutBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``[S, C]`` per-token weights of the whole rollout batch (``lit_grpo.math.aggregation``): eq. 7, eq. 8
         as written with ``mask_zero_variance``, or DAPO-style with ``drop_zero_variance``. ``keep`` (RED-Drop's
-        subset) removes rows from the batch, denominators included."""
+        subset) removes rows from the batch, denominators included, and so does ``mask_truncated_completions`` for
+        completions that hit the length cap (as TRL zeroes their completion mask)."""
         mask = batch.completion_mask.float()
         if keep is not None:
             mask = mask * keep.unsqueeze(-1)
+        if self.hparams.get("mask_truncated_completions", False):
+            mask = mask * (~batch.truncated).to(mask.dtype).unsqueeze(-1)
         hp = self.hparams
         # denominators over the global batch (all ranks), so the sum of the ranks' losses is the one-process loss
         args = (hp.loss_aggregation, hp.max_completion_length, sum_over_ranks)
@@ -331,6 +373,7 @@ class GRPOModule(L.LightningModule):
         batch, keep = shape_batch(batch, rank_and_world()[0]) if shape_batch is not None else (batch, None)
         weights = self.loss_weights(batch, keep)
         micro_batches = list(batch.micro_batches())
+        self._micro_batches_per_step = len(micro_batches)
         ref_logps = self.reference_logprobs(batch, micro_batches)
         pik_logps: list[torch.Tensor | None] = [None] * len(micro_batches)
         iteration_stats, grad_norms = [], []
@@ -347,6 +390,8 @@ class GRPOModule(L.LightningModule):
             grad_norms.extend(self._grad_norms)
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
+            if self.entropy_options.adaptive:
+                self.update_entropy_coefficient(totals)
             iteration_stats.append(totals)
         if hp.monitor_tv_after_update:
             iteration_stats[-1]["tv_pi_alpha_sum"] = self.tv_after_update(batch, micro_batches, pik_logps)
@@ -356,6 +401,18 @@ class GRPOModule(L.LightningModule):
         update_seconds = time.perf_counter() - start
         self.log_step(batch, iteration_stats, grad_norms, staleness, update_seconds)
         return torch.stack([stats["loss"] for stats in iteration_stats]).mean()
+
+    def update_entropy_coefficient(self, totals: dict[str, torch.Tensor]) -> None:
+        """TRL's adaptive entropy control after an optimizer step: the step's mean entropy over every rank's
+        counted tokens (one host sync per optimizer step, adaptive control only) moves the coefficient by
+        ``coef_delta`` towards keeping the entropy at ``target`` (``lit_grpo.math.entropy_terms``)."""
+        pair = torch.stack([totals["entropy_bonus_sum"], totals["entropy_bonus_tokens"]])
+        total, count = sum_over_ranks(pair).tolist()
+        measured = total / max(count, 1.0)
+        options = self.entropy_options
+        self.entropy_coef = adaptive_entropy_coefficient(self.entropy_coef, measured, options.target,
+                                                         options.coef_delta, options.coef_min, options.coef_max)
+        self._last_entropy = measured
 
     def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Gradients are reduced over ranks in the last micro-batch's backward only: the others run inside
@@ -373,26 +430,91 @@ class GRPOModule(L.LightningModule):
         extrema that merge over micro-batches and ranks) and pi_k's log-probs (this forward's at iteration 0)."""
         hp = self.hparams
         first = iteration == 0
+        entropy_options = self.entropy_options
+        bonus = self.entropy_coef != 0.0 or entropy_options.adaptive
+        wants_entropy = (hp.log_entropy and first) or bonus or entropy_options.top_entropy_quantile < 1.0
         # with LoRA dropout: the values of the policy without dropout (pi_k at iteration 0, the ratio's numerator),
         # the gradient of the pass with dropout (lit_grpo.core.scoring.policy_logprobs)
-        logp, entropy = policy_logprobs(self.policy, mb, hp.temperature, with_entropy=hp.log_entropy and first)
+        logp, entropy = policy_logprobs(self.policy, mb, hp.temperature, with_entropy=wants_entropy,
+                                        entropy_grad=bonus)
         pik_logp = logp.detach() if first else pik_logp
         alpha_logp = alpha_logprobs(batch, mb, pik_logp)
+        mask, advantages = mb.completion_mask, mb.take(batch.advantages)
+        extra: dict[str, torch.Tensor] = {}
+        # the sampler correction: the loss's denominator becomes pi_old, and its weight comes with the call
+        old_logp, correction = self.sampler_correction(batch, mb, logp, pik_logp, alpha_logp, extra)
+        if entropy_options.top_entropy_quantile < 1.0:
+            keep = high_entropy_mask(entropy.detach(), mask, entropy_options.top_entropy_quantile)
+            extra["entropy_masked"] = (mask.bool() & ~keep.bool()).sum().to(torch.float64)
+            keep = keep.to(logp.dtype)
+            correction = keep if correction is None else correction * keep
+        extra_kwargs = {"correction": correction} if self.passes_correction else {}
         loss, stats = check_loss_output(self.policy_loss.name, self.loss_fn(
-            logp=logp, alpha_logp=alpha_logp, advantages=mb.take(batch.advantages),
-            weights=mb.take(weights), mask=mb.completion_mask, config=self.loss_config,
-            pik_logp=pik_logp, ref_logp=ref_logp,
+            logp=logp, alpha_logp=old_logp, advantages=advantages, weights=mb.take(weights), mask=mask,
+            config=self.loss_config, pik_logp=pik_logp, ref_logp=ref_logp, **extra_kwargs,
         ))
+        stats.update(extra)
+        if bonus:
+            loss = loss - self.entropy_bonus_term(entropy, mask, correction, stats)
         # Theorem 1 monitor: TV(pi_k, alpha) at the first iteration, TV(pi, alpha) at the last one
         if first:
-            stats.update(first_iteration_stats(pik_logp, alpha_logp, mb.completion_mask, entropy))
+            stats.update(first_iteration_stats(pik_logp, alpha_logp, mask, entropy.detach() if hp.log_entropy
+                                               and entropy is not None else None))
+            if batch.sampler_logp is not None:  # what the trainer computes against what the sampler reported
+                stats.update(mismatch_stats(pik_logp, mb.take(batch.sampler_logp), mask))
         if iteration == hp.iterations_per_batch - 1 and not hp.monitor_tv_after_update:
-            stats["tv_pi_alpha_sum"] = tv_estimate(logp, alpha_logp, mb.completion_mask).sum
+            stats["tv_pi_alpha_sum"] = tv_estimate(logp, alpha_logp, mask).sum
         # DDP and FSDP average gradients over ranks; the weights already divide by global totals, so undo the mean
         _, world = rank_and_world()
         self.manual_backward(loss * world if world > 1 else loss)
         stats["loss"] = loss.detach().to(torch.float64)  # weights divide by global totals: the ranks' losses add up
         return stats, pik_logp
+
+    def sampler_correction(self, batch: RolloutBatch, mb: MicroBatch, logp: torch.Tensor, pik_logp: torch.Tensor,
+                           alpha_logp: torch.Tensor,
+                           stats: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss's denominator and the correction's per-token weight (``model.correction``,
+        ``lit_grpo.math.corrections``): with no correction, alpha and None. Otherwise pi_old is pi_k
+        (``proximal``) or alpha as the batch carries it (``decoupled``: the trainer's recompute of the rollout
+        weights; a batch whose alpha is the sampler's own report has nothing to correct, and is counted), and the
+        weight compares pi_old (or pi_theta, for the masks defined on it) with the sampler's mu."""
+        options = self.correction
+        if options.mode == "none":
+            return alpha_logp, None
+        if batch.sampler_logp is None:
+            raise ValueError(f"model.correction.mode={options.mode!r} needs the sampler's log-probs of the batch "
+                             "(RolloutBatch.sampler_logp); this batch has none")
+        mu = mb.take(batch.sampler_logp)
+        if options.old_policy == "proximal":
+            old_logp = pik_logp
+        else:
+            old_logp = alpha_logp
+            no_recompute = mb.completion_mask.sum() if batch.alpha_source == "sampler" else torch.zeros(
+                (), device=logp.device)
+            stats["correction_no_recompute"] = no_recompute.to(torch.float64)
+        weight = correction_weight(options, old_logp, mu, logp.detach(), mb.take(batch.advantages),
+                                   mb.completion_mask)
+        m = mb.completion_mask.bool()
+        stats["correction_masked"] = (m & weight.masked).sum().to(torch.float64)
+        stats["correction_truncated"] = (m & weight.truncated).sum().to(torch.float64)
+        stats["correction_weight_sum"] = torch.where(m, weight.weight.to(torch.float64), 0.0).sum()
+        return old_logp, weight.weight.to(logp.dtype)
+
+    def entropy_bonus_term(self, entropy: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor | None,
+                           stats: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``coef * mean entropy`` over this micro-batch's counted tokens (those the top-entropy mask keeps), a
+        share of the batch's bonus: divided by the micro-batches and ranks, as TRL divides its per-micro-batch
+        mean by the accumulation steps (the module's backward multiplies by the ranks, as for the loss). Under
+        adaptive control the coefficient applies only while the last measured entropy is at or below the target
+        (TRL's rule); its sums go into the statistics for the next update of the coefficient."""
+        effective = mask.to(entropy.dtype) if keep is None else mask.to(entropy.dtype) * (keep > 0).to(entropy.dtype)
+        total, count = (entropy * effective).sum(), effective.sum()
+        stats["entropy_bonus_sum"] = total.detach().to(torch.float64)
+        stats["entropy_bonus_tokens"] = count.detach().to(torch.float64)
+        options = self.entropy_options
+        coef = applied_entropy_coefficient(self.entropy_coef, self._last_entropy, options.target, options.adaptive)
+        shares = self._micro_batches_per_step * rank_and_world()[1]
+        return coef * (total / count.clamp(min=1.0)) / shares
 
     @torch.no_grad()
     def tv_after_update(self, batch: RolloutBatch, micro_batches: list[MicroBatch],
@@ -425,6 +547,8 @@ class GRPOModule(L.LightningModule):
                           peak_flops=device_peak_flops(self.device, hp.peak_flops))
         metrics = step_metrics(reduced, len(iteration_stats), len(grad_norms), staleness, self._reference_served,
                                float(self.lr_schedulers().get_last_lr()[0]), cost)
+        if self.entropy_coef != 0.0 or self.entropy_options.adaptive:
+            metrics["train/entropy_coef"] = self.entropy_coef
         batch_size = batch.num_sequences
         # Lightning would hand a value logged once to the loggers at every later step: these go at their step only
         log_measured(self, {key: metrics.pop(key) for key in MEASURED_AT_SOME_STEPS if key in metrics})
@@ -446,11 +570,16 @@ class GRPOModule(L.LightningModule):
         # every rank's generators, in rank order: only rank 0 writes the checkpoint, each rank resumes its own
         checkpoint["rng_states"] = all_gather_objects(rng)
         checkpoint["reference_version"] = self.reference_version
+        checkpoint["entropy_control"] = {"coef": self.entropy_coef, "last_entropy": self._last_entropy}
         if is_lora(self.policy):  # the adapters merged so far (the base in the state dict already holds them)
             checkpoint["lora_merge_log"] = merge_log(self.policy).state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.reference_version = int(checkpoint.get("reference_version", 0))
+        if "entropy_control" in checkpoint:  # TRL's adaptive control moves the coefficient: a resume continues it
+            control = checkpoint["entropy_control"]
+            self.entropy_coef = float(control["coef"])
+            self._last_entropy = None if control["last_entropy"] is None else float(control["last_entropy"])
         if "lora_merge_log" in checkpoint and is_lora(self.policy):
             merge_log(self.policy).load_state_dict(checkpoint["lora_merge_log"])
         rng = checkpoint.get("rng_states")

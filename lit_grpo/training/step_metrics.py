@@ -136,6 +136,7 @@ def step_metrics(reduced: Mapping[str, torch.Tensor], iterations: int, optimizer
         "tv/pik_alpha": first("tv_pik_alpha_sum") / tv_tokens,
         "tv/pi_alpha": values[iteration_key(iterations - 1, "tv_pi_alpha_sum")] / tv_tokens,
     }
+    metrics.update(correction_metrics(values, merged, first, denom, all_tokens))
     if staleness == 0:
         # trainer-sampler mismatch: alpha should be pi_k when the engine holds the policy's weights; what is left
         # is the engines' numerics (vLLM's kernels, another precision), or weights that did not arrive
@@ -143,6 +144,32 @@ def step_metrics(reduced: Mapping[str, torch.Tensor], iterations: int, optimizer
     metrics.update({key: value for key, value in values.items() if key.startswith(ROLLOUT_PREFIX)})
     metrics["rollout/tokens_per_second"] = metrics.get("rollout/generated_tokens", 0.0) / max(
         metrics.get("rollout/generate_seconds", 0.0), 1e-9)
+    return metrics
+
+
+def correction_metrics(values: Mapping[str, float], merged: Any, first: Any, tokens: float,
+                       all_tokens: float) -> dict[str, float]:
+    """The sampler correction's and the entropy terms' metrics, for the statistics the step has: fractions of the
+    tokens the correction masked or truncated and its mean weight (over every iteration's tokens), the mismatch
+    between pi_k and the sampler's mu at the first iteration (mean and max |log pi_k - log mu|, k3 KL(mu || pi_k)
+    per token: what peers log as their train-inference mismatch), the tokens the top-entropy mask left out, and
+    the entropy bonus's measured entropy."""
+    has = {key.split("/", 1)[1] for key in values if key.startswith("it0/")}
+    metrics: dict[str, float] = {}
+    if "correction_masked" in has:
+        metrics["correction/masked_fraction"] = merged("correction_masked") / all_tokens
+        metrics["correction/truncated_fraction"] = merged("correction_truncated") / all_tokens
+        metrics["correction/weight_mean"] = merged("correction_weight_sum") / all_tokens
+    if "correction_no_recompute" in has:
+        metrics["correction/no_recompute_fraction"] = first("correction_no_recompute") / tokens
+    if "mismatch_abs_sum" in has:
+        metrics["mismatch/abs_mean"] = first("mismatch_abs_sum") / tokens
+        metrics["mismatch/abs_max"] = first("mismatch_abs_max")
+        metrics["mismatch/k3_kl"] = first("mismatch_k3_sum") / tokens
+    if "entropy_masked" in has:
+        metrics["train/entropy_masked_fraction"] = merged("entropy_masked") / all_tokens
+    if "entropy_bonus_sum" in has:
+        metrics["train/entropy_bonus_entropy"] = merged("entropy_bonus_sum") / max(merged("entropy_bonus_tokens"), 1.0)
     return metrics
 
 
