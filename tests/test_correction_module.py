@@ -103,6 +103,13 @@ def test_bad_correction_values_are_refused_before_a_model_loads():
         tiny_module(correction={"mode": "token_mask", "old_policy": "behaviour"})
 
 
+def test_luspo_needs_its_length_scaled_aggregation():
+    with pytest.raises(ValueError, match="seq_mean_token_sum") as info:
+        tiny_module(loss="luspo")
+    assert "\n" not in str(info.value)
+    assert tiny_module(loss="luspo", loss_aggregation="seq_mean_token_sum").policy_loss.name == "luspo"
+
+
 def test_mask_truncated_completions_removes_them_from_the_loss_and_its_denominator():
     module = tiny_module(mask_truncated_completions=True)
     batch = handmade_batch([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0]], len(module.tokenizer))

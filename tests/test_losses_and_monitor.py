@@ -10,7 +10,8 @@ from lit_grpo.training.losses import BUILTIN_LOSSES
 @pytest.mark.parametrize("loss", list(BUILTIN_LOSSES))
 def test_every_policy_loss_trains(tmp_path, loss):
     recorder = MetricsRecorder()
-    module = tiny_module(loss=loss, beta=0.1, lr=1e-2)
+    aggregation = "seq_mean_token_sum" if loss == "luspo" else "token_mean"  # LUSPO's length scaling
+    module = tiny_module(loss=loss, beta=0.1, lr=1e-2, loss_aggregation=aggregation)
     before = [p.detach().clone() for p in module.policy.parameters()]
     trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[WeightSync(every_n_batches=1), recorder])
     trainer.fit(module, datamodule=tiny_data())

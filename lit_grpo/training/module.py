@@ -78,7 +78,8 @@ class GRPOModule(L.LightningModule):
         drop_zero_variance: the DAPO-style alternative: such groups leave the batch, denominators included, so
             every kept token weighs 1 / (1 - flat fraction) more (``token_mean``, ``seq_mean_token_mean``).
             Exclusive with ``mask_zero_variance``.
-        loss_aggregation: ``token_mean``, ``seq_mean_token_mean`` or ``constant`` (Dr.GRPO).
+        loss_aggregation: ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum`` (LUSPO's length scaling)
+            or ``constant`` (Dr.GRPO).
         iterations_per_batch: i, optimizer steps on each rollout batch.
         temperature: sampling temperature (linked from the data module by the CLI).
         max_completion_length: normaliser of the ``constant`` aggregation (linked from ``max_new_tokens``).
@@ -91,8 +92,9 @@ class GRPOModule(L.LightningModule):
         loss: the policy loss, ``grpo`` (eq. 6/7, the default), ``gspo`` (sequence-level ratio), ``cispo``
             (clipped stop-gradient weight; both ``lit_grpo.math``), one of the REC / RED / REP family of
             group-relative REINFORCE (``rec_oneside_nois``, ``rec_oneside_is``, ``rec_twoside_is``, ``rec_ring``,
-            ``red_drop``, ``red_weight``, ``opmd``, ``asymre``; see ``lit_grpo.math.rec``), or your own as
-            ``package.module:function`` (the contract: ``lit_grpo.training.losses``).
+            ``red_drop``, ``red_weight``, ``opmd``, ``asymre``; see ``lit_grpo.math.rec``), ``sapo``, ``luspo``
+            (with ``loss_aggregation: seq_mean_token_sum``), ``vespo``, ``gmpo``, ``dppo_tv``, ``dppo_kl``
+            (docs/losses.md), or your own as ``package.module:function`` (the contract: ``lit_grpo.training.losses``).
         loss_options: the losses' options, one section per loss (``loss_options.grpo.eps_low``,
             ``loss_options.rec_ring.ring_eps_low``, ...; ``loss_options.custom`` for your own loss); only the
             section of ``loss`` may differ from its defaults.
@@ -154,6 +156,10 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if loss_aggregation not in AGGREGATION_MODES:
             raise ValueError(f"unknown loss_aggregation {loss_aggregation!r}; expected one of {AGGREGATION_MODES}")
+        if loss == "luspo" and loss_aggregation != "seq_mean_token_sum":
+            raise ValueError(f"model.loss 'luspo' scales each sequence's loss by its length, which is "
+                             f"loss_aggregation 'seq_mean_token_sum'; got {loss_aggregation!r}: set "
+                             "model.loss_aggregation: seq_mean_token_sum")
         if mask_zero_variance and drop_zero_variance:
             raise ValueError("mask_zero_variance (eq. 8) and drop_zero_variance (DAPO-style) are both true; expected "
                              "at most one: they are two ways of leaving zero-variance groups out of the loss")

@@ -163,9 +163,10 @@ def correction_metrics(values: Mapping[str, float], merged: Any, first: Any, tok
     if "correction_no_recompute" in has:
         metrics["correction/no_recompute_fraction"] = first("correction_no_recompute") / tokens
     if "mismatch_abs_sum" in has:
-        metrics["mismatch/abs_mean"] = first("mismatch_abs_sum") / tokens
+        counted = max(first("mismatch_tokens"), 1.0)
+        metrics["mismatch/abs_mean"] = first("mismatch_abs_sum") / counted
         metrics["mismatch/abs_max"] = first("mismatch_abs_max")
-        metrics["mismatch/k3_kl"] = first("mismatch_k3_sum") / tokens
+        metrics["mismatch/k3_kl"] = first("mismatch_k3_sum") / counted
     if "entropy_masked" in has:
         metrics["train/entropy_masked_fraction"] = merged("entropy_masked") / all_tokens
     if "entropy_bonus_sum" in has:
