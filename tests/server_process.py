@@ -3,6 +3,7 @@ prints it), with a fresh token in a 0600 file."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,3 +81,14 @@ class ServerProcess:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._log.close()
+
+
+@contextlib.contextmanager
+def running_server(folder: Path) -> Iterator[ServerProcess]:
+    """A server process started in ``folder``, ready, and killed on exit (a module fixture's body)."""
+    process = ServerProcess(folder)
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.kill()

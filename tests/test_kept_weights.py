@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from server_process import ServerProcess
+from server_process import ServerProcess, running_server
 from test_server_engine_vllm import fake_server, fake_vllm  # noqa: F401 (fixtures: a fake vllm serve, no vLLM)
 
 from lit_grpo.core.batch import RolloutBatch
@@ -38,12 +38,8 @@ G = 3  # completions per prompt
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("kept_weights"))
-    try:
-        process.wait_ready()
+    with running_server(tmp_path_factory.mktemp("kept_weights")) as process:
         yield process
-    finally:
-        process.kill()
 
 
 def options(server: ServerProcess, **extra) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from server_process import ServerProcess
+from server_process import ServerProcess, running_server
 
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.engines.remote.client import ServerEngine
@@ -32,12 +32,8 @@ TEXTS = ("What is 2+2?", "Name a prime.", "Hi")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("lora_server"))
-    try:
-        process.wait_ready()
+    with running_server(tmp_path_factory.mktemp("lora_server")) as process:
         yield process
-    finally:
-        process.kill()
 
 
 def lora_policy(seed: int = 0, base_seed: int | None = None):
