@@ -43,6 +43,7 @@ from lit_grpo.math.entropy_terms import (
     EntropyOptions,
     adaptive_entropy_coefficient,
     applied_entropy_coefficient,
+    entropy_bonus,
     high_entropy_mask,
 )
 from lit_grpo.math.tv import tv_estimate
@@ -513,14 +514,13 @@ class GRPOModule(L.LightningModule):
         mean by the accumulation steps (the module's backward multiplies by the ranks, as for the loss). Under
         adaptive control the coefficient applies only while the last measured entropy is at or below the target
         (TRL's rule); its sums go into the statistics for the next update of the coefficient."""
-        effective = mask.to(entropy.dtype) if keep is None else mask.to(entropy.dtype) * (keep > 0).to(entropy.dtype)
-        total, count = (entropy * effective).sum(), effective.sum()
-        stats["entropy_bonus_sum"] = total.detach().to(torch.float64)
-        stats["entropy_bonus_tokens"] = count.detach().to(torch.float64)
+        effective = mask.bool() if keep is None else mask.bool() & (keep > 0)
+        stats["entropy_bonus_sum"] = torch.where(effective, entropy.detach().to(torch.float64), 0.0).sum()
+        stats["entropy_bonus_tokens"] = effective.sum().to(torch.float64)
         options = self.entropy_options
         coef = applied_entropy_coefficient(self.entropy_coef, self._last_entropy, options.target, options.adaptive)
         shares = self._micro_batches_per_step * rank_and_world()[1]
-        return coef * (total / count.clamp(min=1.0)) / shares
+        return coef * entropy_bonus(entropy, effective) / shares
 
     @torch.no_grad()
     def tv_after_update(self, batch: RolloutBatch, micro_batches: list[MicroBatch],
