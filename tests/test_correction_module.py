@@ -158,3 +158,12 @@ def test_top_entropy_quantile_leaves_the_low_entropy_tokens_out(tmp_path, record
 def test_kl_bias_correction_reaches_the_loss_config():
     module = tiny_module(beta=0.1, kl_bias_correction=True)
     assert module.loss_config.kl_bias_correction is True and module.loss_config.beta == 0.1
+
+
+def test_decoupled_refuses_an_engine_that_never_rescores_in_one_line(tmp_path):
+    module = tiny_module(correction=CorrectionOptions(mode="token_truncate", old_policy="decoupled"))
+    data = tiny_data(engine_options={"rescore": False})
+    trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[WeightSync(every_n_batches=1)])
+    with pytest.raises(ValueError, match="decoupled.*keep_pushed_weights") as info:
+        trainer.fit(module, datamodule=data)
+    assert "\n" not in str(info.value)

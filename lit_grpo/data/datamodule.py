@@ -29,7 +29,12 @@ from lit_grpo.core.distributed import everyone, rank_slice
 from lit_grpo.core.option_groups import as_group, plain
 from lit_grpo.data.async_rollouts import AsyncRollouts, Requested
 from lit_grpo.data.dynamic_sampling import DynamicSampling, Formed, OverlongPenalty, Scored, form_batch
-from lit_grpo.data.fit_checks import check_temperature_agrees, constant_normaliser_mismatch, unsynced_engine_warning
+from lit_grpo.data.fit_checks import (
+    check_temperature_agrees,
+    constant_normaliser_mismatch,
+    decoupled_without_recompute,
+    unsynced_engine_warning,
+)
 from lit_grpo.data.gsm8k import load_gsm8k
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
 from lit_grpo.data.rewards import RewardFn, RewardRunner, reward_name
@@ -314,7 +319,12 @@ class RolloutDataModule(L.LightningDataModule):
         check_staleness_setup(self.max_staleness, self.engine_kind, self.trainer.callbacks)
         # the server scores pi_ref only when the module has a KL term to use it in
         self.scores_reference = self.reference_on_server and bool(getattr(module, "uses_reference", False))
+        # colocated vLLM never rescores: refused before it loads; the other engines say so once built (cheaply)
+        if self.engine_kind == "vllm" and (refused := decoupled_without_recompute(module, False, "colocated vLLM")):
+            raise ValueError(refused)
         engine = self.rollout_engine = self.build_engine(module)
+        if (refused := decoupled_without_recompute(module, engine.rescore, self.engine_description())) is not None:
+            raise ValueError(refused)
         if self.scores_reference and isinstance(engine, ReferenceServing):
             # pi_ref's log-probs at the loss's temperature (the CLI links it to data.temperature), and in the
             # precision of the module's own pass (autocast under a mixed precision), so that KL(pi || pi_ref) is

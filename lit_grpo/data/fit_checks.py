@@ -38,6 +38,20 @@ def check_temperature_agrees(module: Any, sampling: SamplingConfig) -> None:
             f"{sampling.temperature}: the loss must use the temperature the rollouts were sampled with; set them equal")
 
 
+def decoupled_without_recompute(module: Any, rescores: bool, where: str) -> str | None:
+    """Why ``model.correction.old_policy: decoupled`` cannot work with this engine, or ``None``: it divides by alpha
+    recomputed in the trainer's numerics, and an engine that never rescores (colocated vLLM, ``vllm serve``
+    without ``keep_pushed_weights``) leaves every batch with the sampler's report, so rho would be 1 throughout."""
+    correction = module_setting(module, "correction")
+    if not isinstance(correction, dict) or correction.get("mode", "none") == "none":
+        return None
+    if correction.get("old_policy") != "decoupled" or rescores:
+        return None
+    return (f"model.correction.old_policy 'decoupled' needs alpha recomputed from the rollout weights, which the "
+            f"{where} does not do (it reports only the sampler's log-probs); use the in-process engine, "
+            "data.engine_options.keep_pushed_weights: true for a server, or old_policy: proximal")
+
+
 def constant_normaliser_mismatch(module: Any, sampling: SamplingConfig) -> str | None:
     """Why Dr.GRPO's constant normaliser (``loss_aggregation: constant``, ``1 / (num_sequences *
     max_completion_length)``) is not the generation budget ``max_new_tokens``, or ``None`` when it is (or the module
