@@ -18,8 +18,10 @@ is) and a row (the correction). Settings:
 Rows: ``none``; ``exact`` (eq. 6 with r' = pi_k / alpha, ``loss_options.grpo.exact_ref_ratio``); ``tis`` (token
 truncation, TRL's bound 3); ``mis`` (sequence mask, TRL's default mode); ``icepop``; ``opsm`` (DeepSeek-V3.2's
 off-policy sequence mask); ``dppo_tv``; ``maxtv`` (``sync.max_tv`` 0.01: an adaptive sync, not a correction;
-only where v > 1). TIS, MIS and IcePop run with ``old_policy: proximal`` (pi_old = pi_k, TRL's), OPSM and DPPO-TV
-with ``old_policy: decoupled`` (the clip stays around alpha, as DeepSeek-V3.2 and prime-rl use their masks);
+only where v > 1). TIS, MIS and IcePop run with ``old_policy: proximal`` (pi_old = pi_k, as verl's decoupled mode
+and AReaL: with ``decoupled``, TRL's pi_old, their weight alpha / mu is 1 to rounding wherever alpha is recomputed,
+so they would repeat ``none`` except in the bf16 column), OPSM and DPPO-TV with ``old_policy: decoupled`` (the clip
+stays around alpha, as DeepSeek-V3.2 and prime-rl use their masks);
 ``dppo_loss``: DPPO's Binary-TV as the loss (``model.loss: dppo_tv``, the mask instead of the clip).
 
 Output in ``--out``: ``curves.json`` (settings, per-cell summaries, every run's raw curves: held-out Pass@1,
@@ -66,9 +68,9 @@ def correction(mode: str, old_policy: str) -> list[str]:
     return ["--model.correction.mode", mode, "--model.correction.old_policy", old_policy]
 
 
-#: the rows: the correction's overrides. The weights (TIS, MIS, IcePop) run as TRL runs them, against pi_k
-#: (``proximal``: eq. 6's ratio becomes pi / pi_k); the masks on pi_theta against mu (OPSM, DPPO) as DeepSeek-V3.2
-#: and prime-rl apply them, on top of the clip around the sampling policy (``decoupled``: the ratio stays pi / alpha)
+#: the rows: the correction's overrides. The weights (TIS, MIS, IcePop) against pi_k (``proximal``: eq. 6's ratio
+#: becomes pi / pi_k, the weight pi_k / mu carries the lag); the masks on pi_theta against mu (OPSM, DPPO) as
+#: DeepSeek-V3.2 and prime-rl apply them, on top of the clip around the sampling policy (``decoupled``)
 ROWS: dict[str, list[str]] = {
     "none": [],
     "exact": ["--model.loss_options.grpo.exact_ref_ratio", "true"],

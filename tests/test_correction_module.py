@@ -74,7 +74,8 @@ def test_correction_and_mismatch_metrics_are_logged(tmp_path, recorder):
 def test_a_lagging_sampler_is_masked_and_its_mismatch_measured(tmp_path, recorder):
     """v = 4 at a high learning rate: pi_k drifts from mu, so a tight sequence mask drops sequences and the
     mismatch statistics grow with the lag."""
-    module = tiny_module(lr=5e-2, correction=CorrectionOptions(mode="geometric_mask", low=0.999, high=1.001))
+    module = tiny_module(lr=5e-2, correction=CorrectionOptions(mode="geometric_mask", low=0.999, high=1.001,
+                                                                old_policy="proximal"))
     trainer = tiny_trainer(tmp_path, max_steps=4, callbacks=[WeightSync(every_n_batches=4), recorder])
     trainer.fit(module, datamodule=tiny_data())
     stale = [s for s in recorder.steps if s["train/staleness"] > 0]

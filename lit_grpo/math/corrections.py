@@ -55,9 +55,12 @@ class CorrectionOptions:
     Args:
         mode: none, token_truncate, token_mask, sequence_truncate, sequence_mask (TRL's vLLM IS modes), icepop,
             geometric_mask, off_policy_mask (DeepSeek-V3.2's OPSM), dppo_tv or dppo_kl (DPPO's trust-region masks).
-        old_policy: pi_old of rho = pi_old / mu: "proximal" is pi_k, the trainer before the batch's first step (TRL,
-            AReaL); "decoupled" is alpha recomputed in the trainer's numerics (verl), needs an engine that scores
-            the rollout weights.
+        old_policy: pi_old of rho = pi_old / mu, and the loss's denominator: "decoupled" (default) is alpha
+            recomputed in the trainer's numerics from the rollout weights (TRL's old_per_token_logps, computed
+            when the batch is generated, by the weights that generated it), so eq. 6's clip stays around the
+            sampling policy; it needs an engine that scores the rollout weights. "proximal" is pi_k, the trainer
+            before the batch's first step (AReaL's proximal policy, verl's decoupled mode): at i = 1 its ratio
+            pi / pi_k is 1 in the forward pass and the clip never acts (docs/corrections-study.md).
         low: lower bound (None: the mode's default): rho's for the IS modes and icepop, the geometric mean's for
             geometric_mask, delta_low for dppo_*; off_policy_mask has none.
         high: upper bound (None: the mode's default): rho's (3.0) for the IS modes, 5.0 for icepop, 1.01 for
@@ -65,7 +68,7 @@ class CorrectionOptions:
     """
 
     mode: str = "none"
-    old_policy: str = "proximal"
+    old_policy: str = "decoupled"
     low: float | None = None
     high: float | None = None
 

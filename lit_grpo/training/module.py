@@ -104,10 +104,10 @@ class GRPOModule(L.LightningModule):
             ``tv/pi_alpha`` is measured at the last iteration's forward, before its optimizer step.
         correction: the sampler correction, for every loss (``mode``: ``token_truncate``, ``token_mask``,
             ``sequence_truncate``, ``sequence_mask``, ``icepop``, ``geometric_mask``, ``off_policy_mask``,
-            ``dppo_tv``, ``dppo_kl``; ``old_policy``: ``proximal`` or ``decoupled``; ``low`` / ``high``: its bounds;
+            ``dppo_tv``, ``dppo_kl``; ``old_policy``: ``decoupled`` or ``proximal``; ``low`` / ``high``: its bounds;
             ``lit_grpo.math.corrections``, docs/corrections.md): a per-token weight on the policy term from the
-            sampler's log-probs mu against pi_old, pi_k (``proximal``) or alpha recomputed by the trainer
-            (``decoupled``), and the loss's denominator becomes that pi_old.
+            sampler's log-probs mu against pi_old, alpha recomputed by the trainer (``decoupled``, the default) or
+            pi_k (``proximal``), and the loss's denominator becomes that pi_old.
         entropy: the entropy terms (``lit_grpo.math.entropy_terms``): ``top_entropy_quantile`` (train on the
             highest-entropy tokens only), ``coef`` (an entropy bonus, ``- coef * mean entropy``), ``adaptive`` and
             its target and step (TRL's adaptive entropy control).
