@@ -174,6 +174,15 @@ def run_one(setting: str, row: str, seed: int, args: argparse.Namespace, model_n
     return result
 
 
+def deduplicated(run: dict) -> dict:
+    """A run whose folder holds the event files of an interrupted attempt too: each series keeps the last value
+    logged at each step, and the evaluation times count from the last attempt's first evaluation."""
+    series = {name: sorted(dict(points).items()) for name, points in run["series"].items()}
+    clock = dict(run.get("wall_clock", []))
+    start = clock.get(min(clock), 0.0) if clock else 0.0
+    return {**run, "series": series, "wall_clock": sorted((step, t - start) for step, t in clock.items())}
+
+
 def mean_of(run: dict, name: str) -> float | None:
     values = [v for _, v in run["series"].get(name, [])]
     return statistics.fmean(values) if values else None
@@ -268,9 +277,11 @@ def plot(results: list[dict], path: Path, settings: list[str], rows: list[str]) 
         for ax in axes[:, col]:
             ax.set_ylim(0, 1)
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8, loc="lower right")
+    handles = {row: plt.Line2D([], [], color=colors[row], linestyle="--" if row == "none" else "-", marker=".")
+               for row in rows}
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=9)
     fig.suptitle("Sampler corrections by staleness and mismatch (demo task, mean ± std over seeds)", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -298,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
             earlier = json.loads(curves.read_text())["runs"]
             keys = {(r["setting"], r["row"], r["seed"]) for r in results}
             results = [r for r in earlier if (r["setting"], r["row"], r["seed"]) not in keys] + results
+    results = [deduplicated(r) for r in results]
     stats = summarise(results)
     order_s = [s for s in SETTINGS if s in stats]
     order_r = [r for r in ROWS if any(r in stats[s] for s in order_s)]
