@@ -145,8 +145,7 @@ class ScriptedRemote(RemoteEngine):
     def load_weights(self, named_tensors, step: int) -> None:  # noqa: ANN001
         for hook in self.before_push:
             hook()
-        for _ in named_tensors:
-            pass
+        self.inner.load_weights(named_tensors, step)  # consumes the push, as a server's client does
         self.synced_step = int(step)
 
 

@@ -50,6 +50,18 @@ def completion_logprobs(
     return torch.cat(logps, dim=1), torch.cat(entropies, dim=1) if with_entropy else None
 
 
+def layout_logprobs(model: nn.Module, layout: object, temperature: float) -> torch.Tensor:
+    """``[S, C]`` float32 log-probs of a padded layout's completions (a ``RolloutBatch`` or the padded rollouts it
+    is built from: ``completion_ids`` and ``micro_batches()``), micro-batch by micro-batch as the trainer lays them
+    out, so that an engine's recompute of alpha and the trainer's own pass see the same shapes; 0 on padding."""
+    ids = layout.completion_ids  # type: ignore[attr-defined]
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    for mb in layout.micro_batches():  # type: ignore[attr-defined]
+        logp, _ = completion_logprobs(model, mb, temperature)
+        out[mb.rows, : logp.shape[1]] = logp
+    return out
+
+
 def checkpointing_drops_cache(model: nn.Module) -> bool:
     """Whether transformers will refuse a KV cache in this model's forward.
 

@@ -17,7 +17,7 @@ from torch import nn
 from lit_grpo.core.batch import left_pad
 from lit_grpo.core.cache_argument import cache_kwarg, output_cache
 from lit_grpo.core.distributed import is_sharded
-from lit_grpo.core.scoring import completion_logprobs, positions_from_mask
+from lit_grpo.core.scoring import layout_logprobs, positions_from_mask
 from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
 from lit_grpo.engines.kv_cache import preallocate
 from lit_grpo.engines.options import SAMPLER_AUTOCAST
@@ -335,11 +335,7 @@ class TransformersEngine(RolloutEngine):
         ``sampler_autocast``: the recompute is the trainer's function of the engine's weights."""
         if not self.rescore:
             return None
-        out = torch.zeros(layout.completion_ids.shape, dtype=torch.float32, device=layout.completion_ids.device)
-        for mb in layout.micro_batches():
-            logp, _ = completion_logprobs(self.model, mb, temperature)
-            out[mb.rows, : logp.shape[1]] = logp
-        return out
+        return layout_logprobs(self.model, layout, temperature)
 
     def state_dict(self) -> dict[str, Any]:
         """The copy's weights by name; for a LoRA copy (peft names: base and adapter) also its spec (``LORA_SPEC_KEY``,

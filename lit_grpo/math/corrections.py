@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lit_grpo.math.dppo import dppo_kl_keep, dppo_tv_keep
+from lit_grpo.math.kl import k3_kl
 from lit_grpo.math.objective import masked_extremum, masked_sum
 
 CORRECTION_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop",
@@ -230,6 +231,11 @@ def dppo_mask(kind: str, sampler_logp: torch.Tensor, logp: torch.Tensor, advanta
     return CorrectionWeight(weight, counted & ~keep, torch.zeros_like(counted))
 
 
+#: the modes on rho = pi_old / mu alone, by name (the others also read pi_theta and the advantages)
+RATIO_MODES = {"token_truncate": token_truncate, "token_mask": token_mask, "sequence_truncate": sequence_truncate,
+               "sequence_mask": sequence_mask, "icepop": icepop, "geometric_mask": geometric_mask}
+
+
 def correction_weight(options: CorrectionOptions, old_logp: torch.Tensor, sampler_logp: torch.Tensor,
                       logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> CorrectionWeight:
     """The correction ``options.mode`` asks for, on ``[S, T]`` log-probs: ``old_logp`` = log pi_old (pi_k or the
@@ -243,10 +249,8 @@ def correction_weight(options: CorrectionOptions, old_logp: torch.Tensor, sample
             counted = mask.bool()
             return CorrectionWeight(torch.ones_like(logp, dtype=logp.dtype).detach(), torch.zeros_like(counted),
                                     torch.zeros_like(counted))
-        if mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop", "geometric_mask"):
-            fn = {"token_truncate": token_truncate, "token_mask": token_mask, "sequence_truncate": sequence_truncate,
-                  "sequence_mask": sequence_mask, "icepop": icepop, "geometric_mask": geometric_mask}[mode]
-            result = fn(old_logp, sampler_logp, mask, low, high)
+        if mode in RATIO_MODES:
+            result = RATIO_MODES[mode](old_logp, sampler_logp, mask, low, high)
         elif mode == "off_policy_mask":
             result = off_policy_mask(sampler_logp, logp, advantages, mask, high)
         else:
@@ -275,7 +279,7 @@ def mismatch_stats(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
     m = mask.bool()
     log_rho = trainer_logp.detach().to(torch.float64) - sampler_logp.detach().to(torch.float64)
     gap = log_rho.abs()
-    k3 = torch.exp(log_rho) - 1.0 - log_rho
+    k3 = k3_kl(sampler_logp.detach().to(torch.float64), trainer_logp.detach().to(torch.float64))  # KL(mu || pi)
     return {
         "mismatch_tokens": m.sum().to(torch.float64),
         "mismatch_abs_sum": masked_sum(gap, m),

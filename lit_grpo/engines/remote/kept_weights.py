@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lit_grpo.core.distributed import is_sharded
-from lit_grpo.core.scoring import completion_logprobs
+from lit_grpo.core.scoring import layout_logprobs
 from lit_grpo.engines.base import ScoringLayout
 from lit_grpo.models.copies import materialize, skeleton_copy
 
@@ -171,7 +171,7 @@ class KeptWeights:
     # ---- alpha --------------------------------------------------------------------------------------
     def score(self, layout: ScoringLayout, temperature: float, version: int) -> torch.Tensor | None:
         """Log-probs ``[S, C]`` of the layout's completions under the kept weights, over the trainer's micro-batches
-        (``completion_logprobs``, the in-process engine's path), in the caller's precision context; ``None`` when
+        (``layout_logprobs``, the in-process engine's path), in the caller's precision context; ``None`` when
         the copy does not hold ``version`` or a merge changed the policy's base since the adapter's push."""
         if self.version is None or self.version != int(version):
             return None
@@ -187,13 +187,6 @@ class KeptWeights:
             self.score_seconds += time.perf_counter() - start
         return out
 
-    def _logprobs(self, model: nn.Module, layout: ScoringLayout, temperature: float,
-                  device: torch.device) -> torch.Tensor:
-        out = torch.zeros(layout.completion_ids.shape, dtype=torch.float32, device=device)
-        for mb in layout.micro_batches():
-            logp, _ = completion_logprobs(model, mb, temperature)
-            out[mb.rows, : logp.shape[1]] = logp
-        return out
 
     def _score_full(self, layout: ScoringLayout, temperature: float, device: torch.device) -> torch.Tensor:
         model = self.model
@@ -202,7 +195,7 @@ class KeptWeights:
             model.to(device)
         try:
             with torch.inference_mode():
-                return self._logprobs(model, layout, temperature, device)
+                return layout_logprobs(model, layout, temperature)
         finally:
             if moved:
                 model.to("cpu")
@@ -226,7 +219,7 @@ class KeptWeights:
                 for name, p in params.items():
                     p.copy_(self.adapter[name])
                 policy.eval()  # the in-process engine's copy samples and scores in eval mode
-                return self._logprobs(policy, layout, temperature, device)
+                return layout_logprobs(policy, layout, temperature)
             finally:
                 policy.train(was_training)
                 for name, p in params.items():
