@@ -184,3 +184,38 @@ def test_corrections_and_entropy_terms_train_under_bf16_mixed(tmp_path, recorder
         assert step["mismatch/abs_max"] > 1e-4  # bf16's gap, which fp32 does not have (< 1e-4 above)
         assert 0.0 < step["correction/masked_fraction"] < 0.5  # the tight band drops the tokens of that gap
         assert 0.4 <= step["train/entropy_masked_fraction"] <= 0.6
+
+
+def test_the_module_hands_the_correction_weight_to_the_loss():
+    """One micro-batch step's gradient is the loss's with the weight computed independently here, and not the
+    uncorrected one: the module passes the weight through, with pi_k as the denominator (proximal)."""
+    from dataclasses import replace
+
+    from lit_grpo.core.scoring import completion_logprobs
+    from lit_grpo.math.objective import grpo_loss
+
+    module = tiny_module(correction=CorrectionOptions(mode="token_truncate", low=0.9, high=1.1, old_policy="proximal"))
+    module.manual_backward = lambda loss: loss.backward()  # no trainer: a plain backward
+    batch = handmade_batch([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0]], len(module.tokenizer), micro_batch_size=8)
+    (mb,) = list(batch.micro_batches())
+    with torch.no_grad():
+        pik, _ = completion_logprobs(module.policy, mb, 1.0)
+    mu = pik + 0.2 * torch.randn(pik.shape, generator=torch.Generator().manual_seed(3))
+    batch = replace(batch, sampler_logp=mu)
+    weights = module.loss_weights(batch)
+
+    def gradients(correction):
+        module.policy.zero_grad(set_to_none=True)
+        if correction == "module":
+            module.micro_batch_step(batch, mb, weights, None, None, 0)
+        else:
+            logp, _ = completion_logprobs(module.policy, mb, 1.0)
+            loss, _ = grpo_loss(logp, pik, mb.take(batch.advantages), mb.take(weights), mb.completion_mask,
+                                module.loss_config, pik_logp=pik, correction=correction)
+            loss.backward()
+        return torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
+
+    expected = gradients(torch.exp(pik - mu).clamp(0.9, 1.1))  # TIS's weight, written out
+    got = gradients("module")
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-9)
+    assert not torch.allclose(got, gradients(None), rtol=1e-3, atol=1e-7)
