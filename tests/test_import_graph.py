@@ -170,9 +170,12 @@ ALLOWED = {
     "lit_grpo.wire": {"lit_grpo.core"},  # shared by both sides of the rollout path
     "lit_grpo.engines": {"lit_grpo.core", "lit_grpo.math", "lit_grpo.models", "lit_grpo.wire"},
     "lit_grpo.serve": {"lit_grpo.core", "lit_grpo.engines", "lit_grpo.models", "lit_grpo.wire"},  # not the trainer's
-    "lit_grpo.data": {"lit_grpo.core", "lit_grpo.engines", "lit_grpo.math", "lit_grpo.models"},
+    "lit_grpo.environments": {"lit_grpo.core"},  # plain Python objects a user writes: no engine, no tensor plumbing
+    "lit_grpo.data": {"lit_grpo.core", "lit_grpo.engines", "lit_grpo.environments", "lit_grpo.math",
+                      "lit_grpo.models"},
     "lit_grpo.training": {"lit_grpo.core", "lit_grpo.data", "lit_grpo.math", "lit_grpo.models"},
-    "lit_grpo.evaluation": {"lit_grpo.core", "lit_grpo.data", "lit_grpo.engines", "lit_grpo.math", "lit_grpo.models"},
+    "lit_grpo.evaluation": {"lit_grpo.core", "lit_grpo.data", "lit_grpo.engines", "lit_grpo.environments",
+                            "lit_grpo.math", "lit_grpo.models"},
     "lit_grpo.callbacks": {"lit_grpo.core", "lit_grpo.data", "lit_grpo.engines", "lit_grpo.evaluation",
                            "lit_grpo.models", "lit_grpo.training"},
 }

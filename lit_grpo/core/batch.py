@@ -3,6 +3,11 @@
 Layout: each distinct prompt is stored once (left-padded, ``prompt_ids [num_prompts, P]``); its G completions
 are right-padded rows of ``completion_ids [num_prompts * G, C]`` and ``group_index`` maps a completion to its
 prompt. Scoring reuses one prompt forward for all completions that share it (see ``lit_grpo.core.scoring``).
+
+A multi-turn trajectory is one such row: after the prompt, the model's tokens exactly as sampled, then the
+environment's tokens, and so on. ``completion_mask`` marks every real token (what attention sees); ``loss_mask``
+marks the model's tokens only (what the loss and every statistic count). Single-turn batches have no ``loss_mask``:
+the two are the same.
 """
 
 from __future__ import annotations
@@ -21,8 +26,15 @@ class MicroBatch:
     prompt_mask: torch.Tensor  # [u, P']
     prompt_index: torch.Tensor  # [s] row of prompt_ids for each completion
     completion_ids: torch.Tensor  # [s, C'] right-padded
-    completion_mask: torch.Tensor  # [s, C']
+    completion_mask: torch.Tensor  # [s, C'] every real token (attention)
     rows: slice  # rows of the parent batch
+    #: [s, C'] the model's own tokens (the loss's mask): ``completion_mask`` except in multi-turn trajectories, where
+    #: the environment's tokens are context with mask 0
+    loss_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.completion_mask
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         """The parent batch's per-token ``[S, C]`` (or per-sequence ``[S]``) tensor restricted to this slice."""
@@ -39,7 +51,7 @@ class RolloutBatch:
     prompt_mask: torch.Tensor  # [num_prompts, P]
     group_index: torch.Tensor  # [S] long
     completion_ids: torch.Tensor  # [S, C] right-padded
-    completion_mask: torch.Tensor  # [S, C]
+    completion_mask: torch.Tensor  # [S, C] every real token (attention)
     rewards: torch.Tensor  # [S]
     advantages: torch.Tensor  # [S]
     group_mask: torch.Tensor  # [S]: 1 where the completion's group has non-zero reward variance (eq. 8)
@@ -64,6 +76,14 @@ class RolloutBatch:
     advantage_eps: float = 1e-4  # how the advantages were whitened (eq. 2), for losses that recompute them
     scale_rewards: bool = True
     stats: dict[str, float] = field(default_factory=dict)
+    #: [S, C] the model's own tokens in multi-turn trajectories (the environment's tokens are 0); None: single-turn,
+    #: every completion token is the model's (``token_mask`` is the one to read)
+    loss_mask: torch.Tensor | None = None
+
+    @property
+    def token_mask(self) -> torch.Tensor:
+        """``[S, C]`` the tokens the loss and the statistics count: the model's own."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def num_sequences(self) -> int:
@@ -73,7 +93,7 @@ class RolloutBatch:
         """Slices of ``micro_batch_size`` completions, in order; the same slicing everywhere keeps scoring by
         the rollout engine and by the policy bit-for-bit comparable."""
         return micro_batch_views(self.prompt_ids, self.prompt_mask, self.group_index, self.completion_ids,
-                                 self.completion_mask, self.micro_batch_size)
+                                 self.completion_mask, self.micro_batch_size, self.loss_mask)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +111,7 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
 
 def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor,
                       completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                      micro_batch_size: int) -> Iterator[MicroBatch]:
+                      micro_batch_size: int, loss_mask: torch.Tensor | None = None) -> Iterator[MicroBatch]:
     """The micro-batches of a padded rollout layout (``RolloutBatch.micro_batches``): contiguous slices of
     ``micro_batch_size`` completions with the distinct prompts they need, each trimmed of the padding no row of
     it uses. A rollout server scoring pi_ref gets exactly these slices, so its numbers line up with the
@@ -114,4 +134,5 @@ def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group
             completion_ids=completion_ids[rows][:, :width],
             completion_mask=c_mask[:, :width],
             rows=rows,
+            loss_mask=None if loss_mask is None else loss_mask[rows][:, :width],
         )

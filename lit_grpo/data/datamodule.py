@@ -35,7 +35,7 @@ from lit_grpo.data.fit_checks import (
     decoupled_without_recompute,
     unsynced_engine_warning,
 )
-from lit_grpo.data.gsm8k import load_gsm8k
+from lit_grpo.data.multi_turn import MultiTurnOptions, TrajectoryRunner, trajectory_stats
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
 from lit_grpo.data.rewards import RewardFn, RewardRunner, reward_name
 from lit_grpo.data.rollout import BatchOrigin, PaddedRollouts, collate_rollouts, pad_rollouts, rollout_seed
@@ -47,6 +47,7 @@ from lit_grpo.data.staleness import (
     staleness_stats,
     weight_version_of,
 )
+from lit_grpo.data.tasks import default_environment, load_task_rows
 from lit_grpo.engines.base import (
     Completion,
     ReferenceServing,
@@ -57,8 +58,17 @@ from lit_grpo.engines.base import (
 )
 from lit_grpo.engines.options import ENGINE_OPTIONS, ServerOptions, TransformersOptions, VLLMOptions
 from lit_grpo.engines.options import engine_options as engine_options_of
+from lit_grpo.environments.protocol import resolve_environment
+from lit_grpo.environments.rendering import ConversationRenderer
+from lit_grpo.environments.tool_calls import resolve_tool_call_format
+from lit_grpo.environments.tools import ToolBox
 from lit_grpo.math.overlong import soft_overlong_penalty
 from lit_grpo.models.loading import eos_token_ids, pad_token_id
+
+
+class EnvironmentFailure(RuntimeError):
+    """Every trajectory of the first batch ended in an environment error: the run stops in one line."""
+
 
 #: the autocast dtype of Lightning's mixed precisions (the forward context of ``training_step``)
 MIXED_AUTOCAST = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
@@ -159,6 +169,19 @@ class RolloutDataModule(L.LightningDataModule):
             ``max_new_tokens``; ``factor``): ``factor * R_length(|y|)`` with ``L_max = max_new_tokens`` is added to
             each completion's reward before the advantages (``lit_grpo.math.overlong``); its batch mean is logged as
             ``rollout/overlong_penalty``.
+        environment: multi-turn rollouts with an environment (docs/environments.md): an import path
+            ``package.module:factory`` (or in Python the factory itself) called with a dataset row (a dict) for each
+            trajectory; the environment's ``reset()`` gives the first message(s), its ``step(completion)`` answers
+            each model turn with ``(reply, reward, done)`` (``lit_grpo.environments.protocol``). Its rewards add up to
+            the trajectory's reward, and ``rewards`` (none by default here) add to it, scoring the last model turn.
+            Rows are then handed over as they are (any fields). ``reasoning_gym:<task>`` datasets bring their own.
+        tools: tools the model may call (``package.module:function``, or in Python the functions): type-hinted,
+            documented functions whose schemas the chat template renders; calls are parsed from the model's output
+            (``multi_turn.tool_call_format``) and their results go back as tool messages. Without an environment,
+            the row's ``question`` starts the conversation and the first turn without a tool call ends it
+            (``rewards`` score it: ``correctness`` by default).
+        multi_turn: the limits and formats of multi-turn rollouts (``max_turns``, ``max_total_tokens``,
+            ``tool_timeout_s``, ``tool_call_format``; ``lit_grpo.data.multi_turn.MultiTurnOptions``).
     """
 
     def __init__(
@@ -188,6 +211,9 @@ class RolloutDataModule(L.LightningDataModule):
         sampler_check_sequences: int = DEFAULT_SEQUENCES,
         dynamic_sampling: DynamicSampling = DynamicSampling(),  # noqa: B008 (frozen: a shared default is safe)
         overlong_penalty: OverlongPenalty = OverlongPenalty(),  # noqa: B008 (frozen)
+        environment: str | Callable[[dict], Any] | None = None,
+        tools: list[str | Callable[..., Any]] | None = None,
+        multi_turn: MultiTurnOptions = MultiTurnOptions(),  # noqa: B008 (frozen)
     ) -> None:
         super().__init__()
         if sampler_check_max_gap is not None and (isinstance(sampler_check_max_gap, bool)
@@ -218,6 +244,10 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"max_prompts must be >= 1 or None, got {max_prompts}")
         self.dynamic_sampling = as_group(DynamicSampling, dynamic_sampling, "dynamic_sampling")
         self.overlong_penalty = as_group(OverlongPenalty, overlong_penalty, "overlong_penalty")
+        if self.overlong_penalty.enabled and (environment is not None or tools):
+            raise ValueError("overlong_penalty scores one completion's length against max_new_tokens; a multi-turn "
+                             "trajectory (data.environment / data.tools) has several: turn it off, or cap "
+                             "multi_turn.max_total_tokens")
         if self.overlong_penalty.buffer >= max_new_tokens:
             raise ValueError(f"overlong_penalty.buffer={self.overlong_penalty.buffer} must be below "
                              f"max_new_tokens={max_new_tokens} (the penalty's buffer lies inside the length limit)")
@@ -227,13 +257,25 @@ class RolloutDataModule(L.LightningDataModule):
 
             check_vllm_temperature(temperature)
             check_vllm_top_p(top_p)
-        specs = list(rewards) if rewards else ["correctness"]
+        self.multi_turn = as_group(MultiTurnOptions, multi_turn, "multi_turn")
+        environment = environment if environment is not None else default_environment(dataset)
+        #: multi-turn rollouts (an environment, or tools): built once the tokenizer is known (setup)
+        self.environment_factory = resolve_environment(environment) if environment is not None else None
+        self.toolbox = ToolBox(tools or [], timeout_s=self.multi_turn.tool_timeout_s)
+        self.parse_tool_calls = resolve_tool_call_format(self.multi_turn.tool_call_format)
+        self.is_multi_turn = self.environment_factory is not None or bool(self.toolbox)
+        self.trajectories: TrajectoryRunner | None = None
+        self.env_errors = 0
+        # an environment's reward is the trajectory's: rewards then only add to it; tools alone keep correctness
+        default_rewards = [] if self.environment_factory is not None else ["correctness"]
+        specs = list(rewards) if rewards is not None else default_rewards
         if reward_weights is not None and len(reward_weights) != len(specs):
             names = [reward_name(s) if isinstance(s, str) or callable(s) else s for s in specs]
             raise ValueError(f"reward_weights has {len(reward_weights)} entries for {len(specs)} rewards {names}")
         weights = reward_weights or [1.0] * len(specs)
-        self.reward_runner = RewardRunner(list(zip(specs, weights)), timeout_s=reward_timeout_s)
-        self.rows = load_gsm8k(dataset, split=split)
+        self.reward_runner = RewardRunner(list(zip(specs, weights)), timeout_s=reward_timeout_s,
+                                          allow_empty=self.environment_factory is not None)
+        self.rows = load_task_rows(dataset, split=split, environment=self.environment_factory is not None)
         if max_prompts is not None:
             keep = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(seed))[:max_prompts]
             self.rows = [self.rows[i] for i in keep.tolist()]
@@ -316,6 +358,10 @@ class RolloutDataModule(L.LightningDataModule):
             if not hasattr(module, attr):
                 raise TypeError(f"RolloutDataModule needs the LightningModule to expose `{attr}`")
         self.tokenizer = module.tokenizer
+        if self.is_multi_turn:
+            renderer = ConversationRenderer(self.tokenizer, self.toolbox.schemas, self.system_prompt)
+            self.trajectories = TrajectoryRunner(self.environment_factory, self.toolbox, self.parse_tool_calls,
+                                                 renderer, self.multi_turn)
         check_staleness_setup(self.max_staleness, self.engine_kind, self.trainer.callbacks)
         # the server scores pi_ref only when the module has a KL term to use it in
         self.scores_reference = self.reference_on_server and bool(getattr(module, "uses_reference", False))
@@ -390,7 +436,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         state = {"consumed": self.consumed, "seed": self.seed, "reward_errors": self.reward_errors,
-                 "reward_timeouts": self.reward_timeouts}
+                 "reward_timeouts": self.reward_timeouts, "env_errors": self.env_errors}
         if self.max_staleness:
             state["in_flight"] = self.async_rollouts.state(self.rank_and_world()[1])
             state["producer_waits"] = self.async_rollouts.producer_waits
@@ -400,6 +446,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.consumed = int(state_dict["consumed"])
         self.reward_errors = int(state_dict.get("reward_errors", 0))
         self.reward_timeouts = int(state_dict.get("reward_timeouts", 0))
+        self.env_errors = int(state_dict.get("env_errors", 0))
         if int(state_dict["seed"]) != self.seed:
             raise ValueError(f"checkpoint was written with data seed {state_dict['seed']}, this run uses {self.seed}")
         self.async_rollouts.producer_waits = int(state_dict.get("producer_waits", 0))
@@ -425,8 +472,10 @@ class RolloutDataModule(L.LightningDataModule):
         return trainer.precision_plugin.forward_context()
 
     def prompt_ids(self, row: int) -> list[int]:
+        """The prompt of dataset row ``row``: its question in the chat template, or an environment's first messages."""
         if row not in self._prompt_cache:
-            self._prompt_cache[row] = prompt_ids(self.tokenizer, self.rows[row]["question"], self.system_prompt)
+            self._prompt_cache[row] = self.trajectories.prompt(self.rows[row]) if self.trajectories is not None \
+                else prompt_ids(self.tokenizer, self.rows[row]["question"], self.system_prompt)
         return self._prompt_cache[row]
 
     def module_device(self) -> torch.device:
@@ -451,27 +500,34 @@ class RolloutDataModule(L.LightningDataModule):
         prompt_batch = self.prompt_batch(index)
         if self.dynamic_sampling.enabled:
             return partial(self.formed_request, prompt_batch)
-        prompts = [self.prompt_ids(r) for r in prompt_batch.rows]
-        return partial(self.request, prompts, rollout_seed(self.seed, index, prompt_batch.rank))
+        return partial(self.request, prompt_batch.rows, rollout_seed(self.seed, index, prompt_batch.rank))
 
-    def request(self, prompts: list[list[int]], seed: int) -> Requested:
+    def request(self, rows: list[int], seed: int) -> Requested:
         """One rank's G completions per prompt with the engine's current weights, and pi_ref's log-probs of them when
         the server scores pi_ref; no collective (a remote engine's ranks agree later, in ``rollout_batch``), so it
         may run on the producer's thread."""
         start = time.perf_counter()
-        rollouts = self.sample(prompts, seed)
+        rollouts = self.sample(rows, seed)
         seconds = time.perf_counter() - start
         if self.server_reference is not None:
-            rollouts = self.server_reference(prompts, rollouts)
+            rollouts = self.server_reference([self.prompt_ids(r) for r in rows], rollouts)
         return rollouts, seconds
 
-    def sample(self, prompts: list[list[int]], seed: int) -> Rollouts:
-        """G completions per prompt with the engine's current weights (no collective)."""
+    def sample(self, rows: list[int], seed: int) -> Rollouts:
+        """G completions (or multi-turn trajectories) per dataset row with the engine's current weights (no
+        collective: a remote engine's ranks agree later)."""
+        if self.trajectories is not None:  # whole trajectories, turn by turn, through the same requests
+            return self.trajectories.run([self.rows[r] for r in rows], self.num_generations, self.engine_request,
+                                         self.sampling, seed)
+        return self.engine_request([self.prompt_ids(r) for r in rows], self.num_generations, self.sampling, seed)
+
+    def engine_request(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> Rollouts:
+        """``n`` completions per tokenized prompt from the rollout engine, as ``Rollouts`` (no collective)."""
         engine = self.rollout_engine
         with self.precision_context():
             if isinstance(engine, RemoteEngine):
-                return engine.request_rollouts(prompts, self.num_generations, self.sampling, seed=seed)
-            return Rollouts(engine.generate(prompts, self.num_generations, self.sampling, seed=seed))
+                return engine.request_rollouts(prompts, n, sampling, seed=seed)
+            return Rollouts(engine.generate(prompts, n, sampling, seed=seed))
 
     def formed_request(self, prompt_batch: PromptBatch) -> Requested:
         """``request`` with dynamic sampling (``lit_grpo.data.dynamic_sampling.form_batch``): this rank's batch formed
@@ -482,7 +538,7 @@ class RolloutDataModule(L.LightningDataModule):
         rollouts, formed = form_batch(
             self.dynamic_sampling, self.prompts_per_step, prompt_batch.rows, len(self.rows), self.seed,
             prompt_batch.batch_index, prompt_batch.rank,
-            sample=lambda rows, seed: self.sample([self.prompt_ids(r) for r in rows], seed), score=self.score_groups)
+            sample=self.sample, score=self.score_groups)
         seconds = time.perf_counter() - start
         if formed is None:
             return rollouts, seconds  # a failed request: the ranks stop together in rollout_batch
@@ -491,15 +547,38 @@ class RolloutDataModule(L.LightningDataModule):
         return rollouts, seconds, formed
 
     def score_groups(self, rows: list[int], groups: list[list[Completion]]) -> Scored:
-        """The rewards of the groups sampled for dataset ``rows`` (flat, prompt-major), the overlong penalty added."""
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-        answers = [self.rows[r]["answer"] for r in rows for _ in range(self.num_generations)]
+        """The rewards of the groups sampled for dataset ``rows`` (flat, prompt-major), the overlong penalty added. A
+        trajectory's reward is its environment's, plus the reward functions' score of its last model turn."""
+        flat = [c for g in groups for c in g]
+        texts = [c.trajectory["final_text"] if c.trajectory is not None
+                 else self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
+        answers = [str(self.rows[r].get("answer", "")) for r in rows for _ in range(self.num_generations)]
         scored = self.reward_runner(texts, answers)
-        rewards = list(scored.rewards)
+        rewards = [r + (c.trajectory["env_reward"] if c.trajectory is not None else 0.0)
+                   for r, c in zip(scored.rewards, flat)]
+        self.count_env_errors(flat)
         penalties = self.overlong_penalties(groups)
         if penalties is not None:
             rewards = [r + p for r, p in zip(rewards, penalties.tolist())]
         return Scored(rewards, scored.errors, scored.timeouts)
+
+    def count_env_errors(self, completions: list[Completion]) -> None:
+        """Count the trajectories whose environment raised or answered out of shape (``rollout/env_errors``), warn on
+        the first, and stop the run in one line when every trajectory of the first batch failed so: it would train on
+        nothing but failures."""
+        records = [c.trajectory for c in completions if c.trajectory is not None]
+        if not records:
+            return
+        errors = [r["env_error"] for r in records if r["env_error"] is not None]
+        first_batch, self._env_checked = not getattr(self, "_env_checked", False), True
+        if first_batch and errors and len(errors) == len(records):
+            raise EnvironmentFailure(f"the environment failed on all {len(records)} trajectories of the first batch "
+                                     f"({errors[0]}); expected reset() -> str | list[dict] and step(completion) -> "
+                                     f"(reply, reward, done)")
+        if errors and self.env_errors == 0:
+            rank_zero_warn(f"an environment failed ({errors[0]}): its trajectory ends there with the rewards it had; "
+                           f"counted in rollout/env_errors (further failures are counted, not warned)")
+        self.env_errors += len(errors)
 
     def overlong_penalties(self, groups: list[list[Completion]]) -> torch.Tensor | None:
         """DAPO eq. 13 per completion (``data.overlong_penalty``), ``None`` when it is off."""
@@ -564,7 +643,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.reward_timeouts += scored.timeouts
         penalties = self.overlong_penalties(groups)
         stats = {**(formed.stats if formed is not None else {}),
-                 **({"overlong_penalty": float(penalties.mean())} if penalties is not None else {}), **stats}
+                 **({"overlong_penalty": float(penalties.mean())} if penalties is not None else {}),
+                 **({**trajectory_stats(groups), "env_errors": float(self.env_errors)} if self.is_multi_turn else {}),
+                 **stats}
         padded = pad_rollouts(prompts, groups, pad_token_id(self.tokenizer), self.micro_batch_size,
                               self.module_device())
         # a server engine's kept copy of the pushed weights (keep_pushed_weights) recomputes alpha on the trainer, in

@@ -167,11 +167,18 @@ def load_gsm8k(source: str = "bundled", split: str = "train", config: str = "mai
         from lit_grpo.data.synthetic import load_synthetic
 
         return validate_rows(load_synthetic(source, split), f"{source} {split}")
+    rows, described = read_rows(source, split, config)
+    return validate_rows(rows, described)
+
+
+def read_rows(source: str, split: str, config: str = "main") -> tuple[list[Any], str]:
+    """The rows of a local file, a directory's split or a Hub dataset, as they are (unchecked), and the source in
+    words for messages: what :func:`load_gsm8k` checks as GSM8K, and environments' tasks read as plain dicts."""
     path = Path(source).expanduser()
     if path.is_dir():
         path = _file_in_directory(path, split)
     if path.is_file():
-        return validate_rows(_read_file(path), str(path))
+        return _read_file(path), str(path)
     if _looks_like_path(source):
         raise ValueError(f"source {source!r}: no such file or directory; expected an existing path or a Hub dataset id")
-    return validate_rows(_read_hub(source, config, split), f"{source} (config {config!r}, split {split!r})")
+    return _read_hub(source, config, split), f"{source} (config {config!r}, split {split!r})"

@@ -360,9 +360,11 @@ def _name_of(spec: object) -> str:
     return reward_name(spec) if isinstance(spec, str) or callable(spec) else repr(spec)
 
 
-def _parse_specs(specs: Sequence[RewardSpec | tuple[RewardSpec, float]]) -> list[tuple[RewardSpec, float]]:
-    """``["correctness", (my_fn, 0.5)]`` -> ``[("correctness", 1.0), (my_fn, 0.5)]``, validated."""
-    if isinstance(specs, str) or callable(specs) or not specs:
+def _parse_specs(specs: Sequence[RewardSpec | tuple[RewardSpec, float]],
+                 allow_empty: bool = False) -> list[tuple[RewardSpec, float]]:
+    """``["correctness", (my_fn, 0.5)]`` -> ``[("correctness", 1.0), (my_fn, 0.5)]``, validated (an empty list only
+    with ``allow_empty``: an environment's reward needs no function)."""
+    if isinstance(specs, str) or callable(specs) or not (specs or (allow_empty and isinstance(specs, list))):
         raise ValueError(f"rewards {specs!r}: expected a non-empty list of specs, callables or (spec, weight) pairs")
     parsed = []
     for item in specs:
@@ -407,10 +409,10 @@ class RewardRunner:
     """
 
     def __init__(self, specs: Sequence[RewardSpec | tuple[RewardSpec, float]], timeout_s: float | None = 5.0,
-                 stop_if_first_call_fails: bool = True) -> None:
+                 stop_if_first_call_fails: bool = True, allow_empty: bool = False) -> None:
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r}: expected a positive number of seconds or None")
-        parsed = _parse_specs(specs)
+        parsed = _parse_specs(specs, allow_empty)
         self.timeout_s = timeout_s
         self.stop_if_first_call_fails = stop_if_first_call_fails
         self.functions = [(reward_name(spec), resolve_reward(spec), weight) for spec, weight in parsed]

@@ -32,15 +32,18 @@ class PaddedRollouts:
     truncated: torch.Tensor  # [S] bool
     group_size: int
     micro_batch_size: int
+    #: [S, C] the model's tokens of multi-turn trajectories (``RolloutBatch.loss_mask``); None: single-turn
+    loss_mask: torch.Tensor | None = None
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         return micro_batch_views(self.prompt_ids, self.prompt_mask, self.group_index, self.completion_ids,
-                                 self.completion_mask, self.micro_batch_size)
+                                 self.completion_mask, self.micro_batch_size, self.loss_mask)
 
 
 def pad_rollouts(prompts: list[list[int]], groups: list[list[Completion]], pad_token_id: int, micro_batch_size: int,
                  device: torch.device | str = "cpu") -> PaddedRollouts:
-    """Pad prompts (left) and completions (right). Every group must have the same size G."""
+    """Pad prompts (left) and completions (right). Every group must have the same size G. Multi-turn trajectories
+    (``Completion.mask``) also get the loss mask of the model's tokens."""
     group_size = len(groups[0])
     if any(len(g) != group_size for g in groups):
         raise ValueError("every prompt must have the same number of completions")
@@ -50,11 +53,15 @@ def pad_rollouts(prompts: list[list[int]], groups: list[list[Completion]], pad_t
     completion_ids = torch.full((len(flat), width), pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros((len(flat), width), dtype=torch.long)
     sampler_logp = torch.zeros((len(flat), width), dtype=torch.float32)
+    multi_turn = any(c.mask is not None for c in flat)
+    loss_mask = torch.zeros((len(flat), width), dtype=torch.long) if multi_turn else None
     for row, c in enumerate(flat):
         n = len(c.token_ids)
         completion_ids[row, :n] = torch.tensor(c.token_ids, dtype=torch.long)
         completion_mask[row, :n] = 1
         sampler_logp[row, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
+        if loss_mask is not None:
+            loss_mask[row, :n] = torch.tensor(c.mask, dtype=torch.long) if c.mask is not None else 1
     return PaddedRollouts(
         prompt_ids=prompt_tensor,
         prompt_mask=prompt_mask,
@@ -65,6 +72,7 @@ def pad_rollouts(prompts: list[list[int]], groups: list[list[Completion]], pad_t
         truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool, device=device),
         group_size=group_size,
         micro_batch_size=micro_batch_size,
+        loss_mask=None if loss_mask is None else loss_mask.to(device),
     )
 
 
@@ -119,14 +127,18 @@ def collate_rollouts(padded: PaddedRollouts, rewards: list[float], advantage_eps
         rollout_step=origin.rollout_step,
         advantage_eps=advantage_eps,
         scale_rewards=scale_rewards,
-        stats={**rollout_stats(flat_rewards, group_mask, padded.completion_mask, padded.truncated, group_size),
+        stats={**rollout_stats(flat_rewards, group_mask,
+                               padded.completion_mask if padded.loss_mask is None else padded.loss_mask,
+                               padded.truncated, group_size),
                **origin.stats},
+        loss_mask=padded.loss_mask,
     )
 
 
 def rollout_stats(rewards: torch.Tensor, group_mask: torch.Tensor, completion_mask: torch.Tensor,
                   truncated: torch.Tensor, group_size: int) -> dict[str, float]:
-    """Reward and length statistics of a rollout batch (for logging)."""
+    """Reward and length statistics of a rollout batch (for logging); ``completion_mask`` is the model's tokens
+    (in multi-turn trajectories, lengths count only those)."""
     groups = rewards.view(-1, group_size)
     lengths = completion_mask.sum(1).float()
     return {

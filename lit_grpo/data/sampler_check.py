@@ -65,8 +65,8 @@ def teacher_forced_logprobs(model: nn.Module, prompt: list[int], completion: lis
 
 def sampler_gap(model: nn.Module, prompts: list[list[int]], groups: list[list[Completion]], temperature: float,
                 sequences: int, device: torch.device) -> tuple[float, int]:
-    """Sum of |sampler log-prob - teacher-forced log-prob| over the tokens of the first ``sequences`` completions
-    (in prompt order), and their number of tokens. Every rank runs the same number of forwards, so that a sharded
+    """Sum of |sampler log-prob - teacher-forced log-prob| over the model's tokens of the first ``sequences``
+    completions (in prompt order), and their number. Every rank runs the same number of forwards, so that a sharded
     policy's collectives stay in step."""
     rows = [(prompts[i], c) for i, group in enumerate(groups) for c in group][:sequences]
     total, count = 0.0, 0
@@ -76,8 +76,11 @@ def sampler_gap(model: nn.Module, prompts: list[list[int]], groups: list[list[Co
             continue
         expected = teacher_forced_logprobs(model, prompt, completion.token_ids, temperature, device)
         reported = torch.tensor(completion.logprobs, dtype=torch.float64, device=device)
-        total += float((reported - expected).abs().sum())
-        count += len(completion.token_ids)
+        # a multi-turn trajectory: only the model's tokens have a sampler log-prob (the environment's are context)
+        own = torch.ones_like(reported) if completion.mask is None else torch.tensor(
+            completion.mask, dtype=torch.float64, device=device)
+        total += float(((reported - expected).abs() * own).sum())
+        count += int(own.sum())
     return total, count
 
 

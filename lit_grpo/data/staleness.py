@@ -65,9 +65,13 @@ def staleness_stats(groups: Sequence[Sequence[Completion]], step: int) -> dict[s
 def groups_to_state(groups: Sequence[Sequence[Completion]]) -> list[list[dict[str, Any]]]:
     """Completions as plain lists and numbers (what a checkpoint loads without unpickling code)."""
     return [[{"token_ids": list(c.token_ids), "logprobs": [float(x) for x in c.logprobs], "truncated": c.truncated,
-              "versions": list(c.versions)} for c in group] for group in groups]
+              "versions": list(c.versions),
+              **({"mask": list(c.mask), "trajectory": c.trajectory} if c.mask is not None else {})}
+             for c in group] for group in groups]
 
 
 def groups_from_state(state: Sequence[Sequence[dict[str, Any]]]) -> list[list[Completion]]:
     return [[Completion([int(t) for t in c["token_ids"]], [float(x) for x in c["logprobs"]], bool(c["truncated"]),
-                        tuple(str(v) for v in c["versions"])) for c in group] for group in state]
+                        tuple(str(v) for v in c["versions"]),
+                        tuple(int(m) for m in c["mask"]) if "mask" in c else None, c.get("trajectory"))
+             for c in group] for group in state]

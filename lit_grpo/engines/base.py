@@ -59,6 +59,12 @@ class Completion:
     #: the weight versions that sampled its tokens, one per span in order, as a rollout server reports them
     #: (one when no weight update interrupted it; empty for the in-process engines)
     versions: tuple[str, ...] = ()
+    #: a multi-turn trajectory: 1 per token the model sampled, 0 per token of the environment's messages between its
+    #: turns (whose ``logprobs`` are 0); ``None``: every token is the model's (a single turn)
+    mask: tuple[int, ...] | None = None
+    #: a multi-turn trajectory's record as plain data (messages, rewards, turns, counts:
+    #: ``lit_grpo.data.multi_turn.Trajectory``); ``None`` for a single turn
+    trajectory: dict | None = None
 
 
 @dataclass(frozen=True)

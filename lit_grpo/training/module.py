@@ -323,7 +323,7 @@ class GRPOModule(L.LightningModule):
         as written with ``mask_zero_variance``, or DAPO-style with ``drop_zero_variance``. ``keep`` (RED-Drop's
         subset) removes rows from the batch, denominators included, and so does ``mask_truncated_completions`` for
         completions that hit the length cap (as TRL zeroes their completion mask)."""
-        mask = batch.completion_mask.float()
+        mask = batch.token_mask.float()  # the model's tokens: an environment's are context
         if keep is not None:
             mask = mask * keep.unsqueeze(-1)
         if self.hparams.get("mask_truncated_completions", False):
@@ -446,7 +446,7 @@ class GRPOModule(L.LightningModule):
                                         entropy_grad=bonus)
         pik_logp = logp.detach() if first else pik_logp
         alpha_logp = alpha_logprobs(batch, mb, pik_logp)
-        mask, advantages = mb.completion_mask, mb.take(batch.advantages)
+        mask, advantages = mb.loss_mask, mb.take(batch.advantages)
         extra: dict[str, torch.Tensor] = {}
         # the sampler correction: the loss's denominator becomes pi_old, and its weight comes with the call
         old_logp, correction = self.sampler_correction(batch, mb, logp, pik_logp, alpha_logp, extra)
@@ -496,12 +496,12 @@ class GRPOModule(L.LightningModule):
             old_logp = pik_logp
         else:
             old_logp = alpha_logp
-            no_recompute = mb.completion_mask.sum() if batch.alpha_source == "sampler" else torch.zeros(
+            no_recompute = mb.loss_mask.sum() if batch.alpha_source == "sampler" else torch.zeros(
                 (), device=logp.device)
             stats["correction_no_recompute"] = no_recompute.to(torch.float64)
         weight = correction_weight(options, old_logp, mu, logp.detach(), mb.take(batch.advantages),
-                                   mb.completion_mask)
-        m = mb.completion_mask.bool()
+                                   mb.loss_mask)
+        m = mb.loss_mask.bool()
         stats["correction_masked"] = (m & weight.masked).sum().to(torch.float64)
         stats["correction_truncated"] = (m & weight.truncated).sum().to(torch.float64)
         stats["correction_weight_sum"] = torch.where(m, weight.weight.to(torch.float64), 0.0).sum()
@@ -531,7 +531,7 @@ class GRPOModule(L.LightningModule):
         for j, mb in enumerate(micro_batches):
             with dropout_off(self.policy):  # the policy itself, as the sampler runs it (LoRA dropout off)
                 logp, _ = completion_logprobs(self.policy, mb, self.hparams.temperature)
-            sums.append(tv_estimate(logp, alpha_logprobs(batch, mb, pik_logps[j]), mb.completion_mask).sum)
+            sums.append(tv_estimate(logp, alpha_logprobs(batch, mb, pik_logps[j]), mb.loss_mask).sum)
         return torch.stack(sums).sum()
 
     # ---- logging --------------------------------------------------------------------------------------

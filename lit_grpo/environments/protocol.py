@@ -1,0 +1,115 @@
+"""The environment protocol: what ``data.environment`` names, and how its answers are checked.
+
+A factory (``package.module:factory``, often the class itself) is called with one dataset row (a dict) and returns
+an environment, one per trajectory. The plain form, enough for most tasks::
+
+    class GuessTheNumber:
+        def __init__(self, row: dict): ...
+        def reset(self) -> str | list[dict]: ...   # the first user message, or chat messages
+        def step(self, completion: str) -> tuple[str | list[dict] | None, float | None, bool]:
+            ...                                     # (what the environment answers, reward, done)
+
+The typed form returns a :class:`StepResult` from ``step`` instead of the tuple (the same three fields, with names);
+an environment may also define ``close()``, called once when its trajectory ends, however it ends.
+
+A reply that is a string is one user message; a list holds chat messages (dicts with ``role`` and ``content``).
+Rewards of the steps add up to the trajectory's reward (``None`` counts 0); ``data.rewards`` may add to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from lit_grpo.core.import_paths import resolve_callable
+
+Messages = list[dict[str, Any]]
+EXPECTED_FACTORY = "expected an import path package.module:factory whose factory takes a dataset row (a dict)"
+
+
+class EnvironmentShapeError(TypeError):
+    """An environment answered with something that is not what the protocol says (one line naming it)."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One trajectory's environment (the plain form; ``step`` may return a :class:`StepResult` instead)."""
+
+    def reset(self) -> str | Messages: ...
+
+    def step(self, completion: str) -> tuple[str | Messages | None, float | None, bool]: ...
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment answers a model turn with (the typed form of ``step``'s tuple)."""
+
+    reply: str | Messages | None = None  # the next user message(s); None: nothing to add
+    reward: float | None = None  # added to the trajectory's reward; None counts 0
+    done: bool = False  # the trajectory ends after this turn
+
+
+EnvironmentFactory = Callable[[dict[str, Any]], Environment]
+
+
+def resolve_environment(spec: str | EnvironmentFactory) -> EnvironmentFactory:
+    """The factory ``spec`` names (an import path), or ``spec`` itself when it is callable."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"data.environment must be an import path or a callable, got {type(spec).__name__}; "
+                         f"{EXPECTED_FACTORY}")
+    return resolve_callable(spec, "environment", EXPECTED_FACTORY)
+
+
+def as_messages(value: object, what: str) -> Messages:
+    """A reply as chat messages: a string is one user message; a list must hold ``{role, content}`` dicts."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                       and ("content" in m or "tool_calls" in m) for m in value):
+        return [dict(m) for m in value]
+    raise EnvironmentShapeError(f"{what} returned {_shown(value)}; expected a string or a list of chat messages "
+                                f"(dicts with 'role' and 'content')")
+
+
+def check_reset(value: object) -> Messages:
+    """``reset()``'s answer as messages, at least one."""
+    messages = as_messages(value, "reset()")
+    if not messages:
+        raise EnvironmentShapeError("reset() returned no message; expected the first user message")
+    return messages
+
+
+def check_step(value: object) -> StepResult:
+    """``step()``'s answer as a :class:`StepResult`: a ``StepResult``, or a ``(reply, reward, done)`` tuple."""
+    if isinstance(value, StepResult):
+        reply, reward, done = value.reply, value.reward, value.done
+    elif isinstance(value, tuple | list) and len(value) == 3:
+        reply, reward, done = value
+    else:
+        raise EnvironmentShapeError(f"step() returned {_shown(value)}; expected (reply, reward, done) or a "
+                                    f"StepResult")
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)
+                               or reward != reward):
+        raise EnvironmentShapeError(f"step() returned reward {reward!r}; expected a finite number or None")
+    if not isinstance(done, bool):
+        raise EnvironmentShapeError(f"step() returned done={done!r}; expected True or False")
+    messages = None if reply is None else as_messages(reply, "step()")
+    return StepResult(messages, None if reward is None else float(reward), done)
+
+
+def close(environment: object) -> None:
+    """Call the environment's ``close()`` when it has one (errors there end nothing: the trajectory is over)."""
+    closer = getattr(environment, "close", None)
+    if callable(closer):
+        try:
+            closer()
+        except Exception:  # noqa: BLE001 (a failing close must not lose the trajectory)
+            pass
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80] + '...' if len(text) > 80 else text}"
