@@ -11,9 +11,11 @@ from lightning.pytorch.callbacks import Callback
 from lit_grpo.callbacks.interval import Interval
 from lit_grpo.callbacks.protocol import check_pass_at_k, policy_of
 
-from lit_grpo.data.gsm8k import load_gsm8k
+from lit_grpo.data.gsm8k import validate_rows
+from lit_grpo.data.multi_turn import EnvironmentStartError
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
 from lit_grpo.data.rewards import RewardRunner
+from lit_grpo.data.tasks import load_task_rows
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.evaluation.pass_at_k import PassAtKSettings, evaluate_pass_at_k
 
@@ -33,6 +35,10 @@ class GSM8KPassAtK(Callback):
 
     The module must expose ``policy`` (a Hugging Face causal LM) and ``tokenizer`` (a Hugging Face tokenizer; one
     without a pad token pads with its eos token, and is not changed), checked when the fit starts.
+
+    With a multi-turn data module (``data.environment`` / ``data.tools``), each sample is a whole trajectory with the
+    data module's environment, tools and chat template (its ``system_prompt`` then, not this one's), and ``dataset``'s
+    rows are that environment's tasks (``lit_grpo.evaluation.pass_at_k``).
     """
 
     def __init__(
@@ -63,8 +69,11 @@ class GSM8KPassAtK(Callback):
             sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
             questions_per_chunk=questions_per_chunk, system_prompt=system_prompt, seed=seed,
         )
-        rows = load_gsm8k(dataset, split=split)
+        # an environment's task rows may hold any fields; GSM8K's are checked when the fit starts single-turn
+        rows = load_task_rows(dataset, split=split, environment=True)
         self.rows = rows if num_questions is None else rows[:num_questions]
+        self.source = f"{dataset} {split}"
+        self.trajectories = None  # the data module's TrajectoryRunner, for environment tasks (set on fit start)
         self.at_start = at_start
         self.at_end = at_end
         # a sample counts as correct when the judge scores it above 0.5 (a reward name or `module:function`)
@@ -75,7 +84,8 @@ class GSM8KPassAtK(Callback):
     @torch.no_grad()
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[int, float]:
         results = evaluate_pass_at_k(policy_of(pl_module, "GSM8KPassAtK"), pl_module.tokenizer, self.rows,
-                                     self.settings, judge=self.judge, device=pl_module.device)
+                                     self.settings, judge=self.judge, device=pl_module.device,
+                                     trajectories=self.trajectories)
         record = {"step": float(trainer.global_step), **{f"pass@{k}": v for k, v in results.items()}}
         self.history.append(record)
         metrics = {f"eval/pass@{k}": v for k, v in results.items()}
@@ -93,7 +103,18 @@ class GSM8KPassAtK(Callback):
         """Hold the module to the protocol before the first batch: a causal-LM ``policy`` and a ``tokenizer``
         (``lit_grpo.callbacks.protocol.check_pass_at_k``)."""
         check_pass_at_k(pl_module)
-
+        datamodule = getattr(trainer, "datamodule", None)
+        runner = getattr(datamodule, "trajectory_runner", None)
+        self.trajectories = runner(pl_module.tokenizer) if callable(runner) else None
+        if self.trajectories is None:
+            self.rows = validate_rows(self.rows, self.source)  # single-turn: GSM8K's format, in one line if not
+        elif self.rows and (self.interval.active or self.at_start or self.at_end):
+            # an environment that cannot start eval.dataset's first task fails now, not after training
+            try:
+                self.trajectories.prompt(self.rows[0])
+            except EnvironmentStartError as e:
+                raise ValueError(f"GSM8KPassAtK: dataset {self.source!r} holds no task the data's environment "
+                                 f"accepts ({e}); point it at the environment's task rows") from e
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.at_start and not self._evaluated_at(trainer.global_step):
             self.evaluate(trainer, pl_module)

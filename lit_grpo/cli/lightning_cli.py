@@ -294,22 +294,25 @@ class GRPOCLI(OneLineErrorsCLI):
     def validate(self, model: GRPOModule, datamodule: Any = None, ckpt_path: str | None = None,
                  verbose: bool = True, **_: Any) -> dict[int, float]:
         """Pass@k of the ``eval`` section on its split (``eval.split``, by default the test split)."""
-        return self._pass_at_k(model, self._subcommand_config().get("eval.split"), verbose)
+        return self._pass_at_k(model, self._subcommand_config().get("eval.split"), verbose, datamodule)
 
     def test(self, model: GRPOModule, datamodule: Any = None, ckpt_path: str | None = None,
              verbose: bool = True, **_: Any) -> dict[int, float]:
         """Pass@k of the ``eval`` section on the test split."""
-        return self._pass_at_k(model, "test", verbose)
+        return self._pass_at_k(model, "test", verbose, datamodule)
 
-    def _pass_at_k(self, model: GRPOModule, split: str, verbose: bool) -> dict[int, float]:
+    def _pass_at_k(self, model: GRPOModule, split: str, verbose: bool, datamodule: Any = None) -> dict[int, float]:
         config = self._subcommand_config()
         callback = self.config_init[self.subcommand]["eval"]  # the `eval` section's GSM8KPassAtK
-        rows = evaluation_rows(config.get("eval.dataset"), split, config.get("eval.num_questions"))
+        # environment tasks: whole trajectories with the data section's environment, tools and chat template
+        runner = datamodule.trajectory_runner(model.tokenizer) if hasattr(datamodule, "trajectory_runner") else None
+        rows = evaluation_rows(config.get("eval.dataset"), split, config.get("eval.num_questions"),
+                               environment=runner is not None)
         device = self._device(model)
         step = self._policy_from_checkpoint(model.policy)
         start = time.perf_counter()
         self.results = evaluate_pass_at_k_float32(model.policy, model.tokenizer, rows, callback.settings,
-                                                  callback.judge, device)
+                                                  callback.judge, device, trajectories=runner)
         seconds = time.perf_counter() - start
         log_pass_at_k(self.trainer.loggers, self.results, step)
         if verbose:
@@ -322,15 +325,17 @@ class GRPOCLI(OneLineErrorsCLI):
         """Completions of the ``predictions`` section's prompts, with their rewards, written as JSONL."""
         config = self._subcommand_config()
         options: PredictOptions = self.config_init[self.subcommand]["predictions"]
+        runner = datamodule.trajectory_runner(model.tokenizer)  # environment tasks: whole trajectories
         try:  # a bad questions file fails before any sampling
-            rows = prediction_rows(options, config.get("data.dataset"))
+            rows = prediction_rows(options, config.get("data.dataset"), environment=runner is not None)
         except ValueError as err:
             raise UsageError(str(err), self._where("predictions.questions" if options.questions else
                                                    "predictions.split")) from err
         device = self._device(model)
         self._policy_from_checkpoint(model.policy)
         records = predictions(model.policy, model.tokenizer, rows, datamodule.num_generations, datamodule.sampling,
-                              datamodule.system_prompt, datamodule.reward_runner, datamodule.seed, device)
+                              datamodule.system_prompt, datamodule.reward_runner, datamodule.seed, device,
+                              trajectories=runner)
         count = write_jsonl(records, options.output)
         print(f"predict: wrote {count} prompts x {datamodule.num_generations} completions to {options.output}")
         return count

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_grpo.data.gsm8k import load_gsm8k
+from lit_grpo.data.multi_turn import TrajectoryRunner
 from lit_grpo.data.prompts import prompt_ids
 from lit_grpo.data.rewards import RewardRunner
+from lit_grpo.data.tasks import load_task_rows
 from lit_grpo.engines.base import SamplingConfig
 
 #: prompts sampled together by ``predict`` (one generate call; a chunk's seed is derived from its first prompt)
@@ -84,19 +85,26 @@ def read_questions(path: str | Path) -> list[dict[str, str]]:
     return rows
 
 
-def prediction_rows(options: PredictOptions, dataset: str) -> list[dict[str, str]]:
-    """The prompts ``predict`` samples: the questions file, else the split of ``dataset``; the first
-    ``num_questions`` of them."""
-    rows = read_questions(options.questions) if options.questions else load_gsm8k(dataset, split=options.split)
+def prediction_rows(options: PredictOptions, dataset: str, environment: bool = False) -> list[dict[str, Any]]:
+    """The prompts ``predict`` samples: the questions file, else the split of ``dataset`` (an environment's task rows
+    as they are, with ``environment``); the first ``num_questions`` of them."""
+    rows = read_questions(options.questions) if options.questions else \
+        load_task_rows(dataset, split=options.split, environment=environment)
     return rows if options.num_questions is None else rows[: options.num_questions]
 
 
 def predictions(policy: nn.Module, tokenizer: Any, rows: Sequence[dict], num_generations: int,
                 sampling: SamplingConfig, system_prompt: str | None, rewards: RewardRunner, seed: int,
-                device: torch.device) -> Iterator[dict[str, Any]]:
+                device: torch.device, trajectories: TrajectoryRunner | None = None) -> Iterator[dict[str, Any]]:
     """One record per row: its ``num_generations`` completions, and their rewards when the row has an answer.
     Prompts are sampled ``PREDICT_CHUNK`` at a time, each chunk with a seed derived from ``seed`` and its first
-    row, so the same rows, weights and seed give the same file."""
+    row, so the same rows, weights and seed give the same file. Environment tasks (``trajectories``): one record per
+    task with each trajectory's messages, reward (the environment's plus ``rewards``' score of its last turn, as in
+    training), turns and how it ended."""
+    if trajectories is not None:
+        yield from trajectory_predictions(policy, tokenizer, rows, num_generations, sampling, rewards, seed, device,
+                                          trajectories)
+        return
     from lit_grpo.engines.transformers_engine import TransformersEngine
     from lit_grpo.models.loading import eos_token_ids
 
@@ -116,6 +124,32 @@ def predictions(policy: nn.Module, tokenizer: Any, rows: Sequence[dict], num_gen
             if "answer" in row:
                 record["rewards"] = [float(r) for r in rewards(texts, [row["answer"]] * len(texts)).rewards]
             yield record
+
+
+def trajectory_predictions(policy: nn.Module, tokenizer: Any, rows: Sequence[dict], num_generations: int,
+                           sampling: SamplingConfig, rewards: RewardRunner, seed: int, device: torch.device,
+                           trajectories: TrajectoryRunner) -> Iterator[dict[str, Any]]:
+    """``predictions`` of environment tasks: each row's ``num_generations`` trajectories, sampled as in training."""
+    from lit_grpo.engines.base import Rollouts
+    from lit_grpo.engines.transformers_engine import TransformersEngine
+    from lit_grpo.models.loading import eos_token_ids
+
+    engine = TransformersEngine(policy, eos_token_ids(tokenizer, policy), tokenizer.pad_token_id, copy_weights=False)
+
+    def sample(prompts: list[list[int]], n: int, turn_sampling: SamplingConfig, turn_seed: int) -> Rollouts:
+        return Rollouts(engine.generate(prompts, n, turn_sampling, seed=turn_seed))
+
+    for start in range(0, len(rows), PREDICT_CHUNK):
+        chunk = list(rows[start: start + PREDICT_CHUNK])
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            groups = trajectories.run(chunk, num_generations, sample, sampling, seed * 1_000_003 + start).groups
+        for row, group in zip(chunk, groups):
+            records = [c.trajectory for c in group]
+            scored = rewards([r["final_text"] for r in records], [str(row.get("answer", ""))] * len(records))
+            yield {"task": row, "trajectories": [
+                {"messages": r["messages"], "reward": r["env_reward"] + extra, "env_reward": r["env_reward"],
+                 "turns": r["turns"], "stop": r["stop"], "truncated": bool(c.truncated), "env_error": r["env_error"]}
+                for c, r, extra in zip(group, records, scored.rewards)]}
 
 
 def write_jsonl(records: Iterable[dict[str, Any]], path: str | Path) -> int:

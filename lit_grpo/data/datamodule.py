@@ -358,10 +358,7 @@ class RolloutDataModule(L.LightningDataModule):
             if not hasattr(module, attr):
                 raise TypeError(f"RolloutDataModule needs the LightningModule to expose `{attr}`")
         self.tokenizer = module.tokenizer
-        if self.is_multi_turn:
-            renderer = ConversationRenderer(self.tokenizer, self.toolbox.schemas, self.system_prompt)
-            self.trajectories = TrajectoryRunner(self.environment_factory, self.toolbox, self.parse_tool_calls,
-                                                 renderer, self.multi_turn)
+        self.trajectories = self.trajectory_runner(self.tokenizer)
         check_staleness_setup(self.max_staleness, self.engine_kind, self.trainer.callbacks)
         # the server scores pi_ref only when the module has a KL term to use it in
         self.scores_reference = self.reference_on_server and bool(getattr(module, "uses_reference", False))
@@ -383,6 +380,15 @@ class RolloutDataModule(L.LightningDataModule):
             # every weight push first waits for the batches already requested (on every rank, then a barrier in
             # the push): no batch handed over under the old weights is sampled with the new ones
             engine.before_push.append(self.async_rollouts.drain)
+
+    def trajectory_runner(self, tokenizer: Any) -> TrajectoryRunner | None:
+        """What samples this data's multi-turn trajectories with ``tokenizer``'s chat template (``None``: single-turn);
+        evaluation and ``predict`` run the same one."""
+        if not self.is_multi_turn:
+            return None
+        renderer = ConversationRenderer(tokenizer, self.toolbox.schemas, self.system_prompt)
+        return TrajectoryRunner(self.environment_factory, self.toolbox, self.parse_tool_calls, renderer,
+                                self.multi_turn)
 
     def check_fit(self, module: L.LightningModule) -> None:
         """Before any rollout of a fit (``lit_grpo.data.fit_checks``): refuse a module whose loss uses another
@@ -517,8 +523,10 @@ class RolloutDataModule(L.LightningDataModule):
         """G completions (or multi-turn trajectories) per dataset row with the engine's current weights (no
         collective: a remote engine's ranks agree later)."""
         if self.trajectories is not None:  # whole trajectories, turn by turn, through the same requests
-            return self.trajectories.run([self.rows[r] for r in rows], self.num_generations, self.engine_request,
-                                         self.sampling, seed)
+            # colocated vLLM in sleep mode stays awake across the turns: its KV cache holds the prefixes they reuse
+            with getattr(self.rollout_engine, "awake", nullcontext)():
+                return self.trajectories.run([self.rows[r] for r in rows], self.num_generations, self.engine_request,
+                                             self.sampling, seed)
         return self.engine_request([self.prompt_ids(r) for r in rows], self.num_generations, self.sampling, seed)
 
     def engine_request(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> Rollouts:

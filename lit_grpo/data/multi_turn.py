@@ -160,10 +160,14 @@ class TrajectoryRunner:
         return ids
 
     # ---- sampling -----------------------------------------------------------------------------------
-    def run(self, rows: list[dict[str, Any]], n: int, sample: Sample, sampling: SamplingConfig,
-            seed: int) -> Rollouts:
+    def run(self, rows: list[dict[str, Any]], n: int, sample: Sample, sampling: SamplingConfig, seed: int,
+            keep_going: Callable[[bool], bool] | None = None) -> Rollouts:
         """``n`` trajectories of each row's task, as ``Rollouts`` (groups in row order); a failed request ends
-        every trajectory and comes back as ``Rollouts.error``."""
+        every trajectory and comes back as ``Rollouts.error``.
+
+        ``keep_going(any_running)`` makes ranks that sample with a sharded policy (FSDP: every forward is a
+        collective) take their turns together: a turn runs while any rank has a trajectory running, and a rank with
+        none samples its first prompt again and discards it."""
         groups: list[list[Trajectory]] = []
         prompts: list[list[int]] = []
         for row in rows:
@@ -185,7 +189,14 @@ class TrajectoryRunner:
                 for trajectory, completion in zip(group, completions):
                     self.answer(trajectory, completion)
             turn = 1
-            while running := [t for g in groups for t in g if t.running]:
+            while True:
+                running = [t for g in groups for t in g if t.running]
+                if not (keep_going(bool(running)) if keep_going is not None else running):
+                    break
+                if not running:  # in step with the ranks still sampling
+                    sample(prompts[:1], 1, sampling, turn_seed(seed, turn))
+                    turn += 1
+                    continue
                 rollouts = sample([t.prompt_ids + t.token_ids for t in running], 1, sampling, turn_seed(seed, turn))
                 if rollouts.error is not None:
                     return rollouts
@@ -214,7 +225,9 @@ class TrajectoryRunner:
         content = self.renderer.tokenizer.decode(tokens, skip_special_tokens=True)
         trajectory.held_text += turn_text
         trajectory.final_text = content
-        trajectory.conversation.append({"role": "assistant", "content": content})
+        # the template writes the turn's end itself; any other special token the model sampled stays in the text it
+        # renders, so that the rendering continues the trajectory (the environment reads the plain text)
+        trajectory.conversation.append({"role": "assistant", "content": self.renderer.turn_content(tokens)})
         message: dict[str, Any] = {"role": "assistant", "content": content}
         trajectory.messages.append(message)
         if completion.truncated or over_cap:

@@ -13,6 +13,7 @@ swap) reloads the trainer's merged base first (``lit_grpo.engines.vllm_lora``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -274,6 +275,7 @@ class VLLMEngine(RolloutEngine):
         self.stop_token_ids = tokenizer_stop_ids(tokenizer)
         self.synced_step = 0
         self._asleep = False
+        self._held_awake = 0  # inside `awake()`: generate leaves the engine awake
         options: dict[str, Any] = dict(llm_kwargs)
         self._policy = policy
         self.lora_spec: dict[str, Any] | None = None
@@ -349,6 +351,19 @@ class VLLMEngine(RolloutEngine):
             self.llm.sleep(level=1)
             self._asleep = True
 
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        """Keep the engine awake across the ``generate`` calls inside the block, asleep after it (with sleep mode):
+        the turns of multi-turn trajectories, where sleeping in between would free the KV cache and with it the
+        prefixes that the next turn reuses (vLLM's prefix caching)."""
+        self._held_awake += 1
+        try:
+            yield
+        finally:
+            self._held_awake -= 1
+            if not self._held_awake:
+                self.sleep()
+
     def wake_up(self) -> None:
         """Bring the weights and KV cache back to the GPU (``LLM.wake_up()``) if the engine sleeps."""
         if self._asleep:
@@ -389,7 +404,8 @@ class VLLMEngine(RolloutEngine):
             outputs = self.llm.generate(requests, params, use_tqdm=False,
                                         **({} if adapter is None else {"lora_request": adapter}))
         finally:
-            self.sleep()
+            if not self._held_awake:
+                self.sleep()
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} results for {len(prompts)} prompts")
         return [to_group(out, n) for out in outputs]

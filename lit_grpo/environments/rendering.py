@@ -67,6 +67,15 @@ class ConversationRenderer:
         model sampled is part of what the template writes)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
+    def turn_content(self, token_ids: list[int]) -> str:
+        """A model turn's text as the conversation's assistant message holds it: its tokens decoded with the special
+        ones kept, less the special tokens it ends with (its end of turn, which the template writes itself)."""
+        special = set(self.tokenizer.all_special_ids)
+        end = len(token_ids)
+        while end and token_ids[end - 1] in special:
+            end -= 1
+        return self.decode(token_ids[:end])
+
     def with_system(self, messages: Messages) -> Messages:
         if self.system_prompt and not any(m.get("role") == "system" for m in messages):
             return [{"role": "system", "content": self.system_prompt}, *messages]

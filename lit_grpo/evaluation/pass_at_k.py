@@ -9,6 +9,11 @@ do not depend on how many processes evaluate, and 1 or N ranks report the same n
 Under FSDP every forward of the sharded policy is a collective, so ranks generate in lockstep: every rank runs the
 same number of chunks (a rank with none left repeats its last one and discards it) and every chunk the same
 number of decoding steps (decoding stops when all ranks are done).
+
+Environment tasks (multi-turn: ``data.environment`` / ``data.tools``) are sampled as whole trajectories by the data
+module's ``TrajectoryRunner`` (the same environment, tools and chat template as training; ranks take their turns in
+lockstep). A trajectory passes when its score exceeds 0.5: with an environment, its environment's reward; with tools
+only, the judge's score of its last model turn.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ import torch
 from torch import nn
 
 from lit_grpo.core.distributed import everyone, is_distributed, rank_and_world
-from lit_grpo.data.gsm8k import load_gsm8k
+from lit_grpo.data.multi_turn import QuestionEnvironment, TrajectoryRunner
 from lit_grpo.data.prompts import prompt_ids
 from lit_grpo.data.rewards import RewardRunner
-from lit_grpo.engines.base import SamplingConfig
+from lit_grpo.data.tasks import load_task_rows
+from lit_grpo.engines.base import Completion, Rollouts, SamplingConfig
 from lit_grpo.engines.transformers_engine import TransformersEngine
 from lit_grpo.evaluation.metric import PassAtK
 from lit_grpo.models.loading import eos_token_ids, pad_token_id
@@ -70,10 +76,11 @@ def evaluate_pass_at_k(
     settings: PassAtKSettings,
     judge: RewardRunner | None = None,
     device: torch.device | str | None = None,
+    trajectories: TrajectoryRunner | None = None,
 ) -> dict[int, float]:
-    """Pass@k for every k in ``settings.ks`` over ``rows`` (dicts with ``question`` and ``answer``), sampled from
-    ``policy`` itself. With a process group, all ranks must call this together; each returns the global value.
-    The policy's train/eval mode is left as it was."""
+    """Pass@k for every k in ``settings.ks`` over ``rows`` (dicts with ``question`` and ``answer``; an environment's
+    task rows with ``trajectories``), sampled from ``policy`` itself. With a process group, all ranks must call this
+    together; each returns the global value. The policy's train/eval mode is left as it was."""
     judge = judge or RewardRunner([("correctness", 1.0)])
     rank, world = rank_and_world()
     lockstep = everyone if is_distributed() else None
@@ -85,31 +92,54 @@ def evaluate_pass_at_k(
     last_real: list[int] = next((c for c in reversed(mine) if c), [0])
     for chunk in mine:
         work = chunk or last_real  # an empty slot still runs the same forwards as the other ranks
-        prompts = [prompt_ids(tokenizer, rows[i]["question"], settings.system_prompt) for i in work]
-        groups = engine.generate(prompts, settings.num_samples, settings.sampling,
-                                 seed=settings.seed * 1_000_003 + work[0], all_finished=lockstep)
+        seed = settings.seed * 1_000_003 + work[0]
+        if trajectories is not None:
+            def sample(prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> Rollouts:
+                return Rollouts(engine.generate(prompts, n, sampling, seed=seed, all_finished=lockstep))
+
+            groups = trajectories.run([rows[i] for i in work], settings.num_samples, sample, settings.sampling, seed,
+                                      keep_going=lockstep).groups
+        else:
+            prompts = [prompt_ids(tokenizer, rows[i]["question"], settings.system_prompt) for i in work]
+            groups = engine.generate(prompts, settings.num_samples, settings.sampling, seed=seed,
+                                     all_finished=lockstep)
         if not chunk:
             continue
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-        answers = [rows[i]["answer"] for i in chunk for _ in range(settings.num_samples)]
-        correct = torch.tensor(judge(texts, answers).rewards).view(len(chunk), settings.num_samples) > 0.5
+        answers = [str(rows[i].get("answer", "")) for i in chunk for _ in range(settings.num_samples)]
+        scores = sample_scores(groups, answers, judge, tokenizer, trajectories)
+        correct = torch.tensor(scores).view(len(chunk), settings.num_samples) > 0.5
         metric.update(correct.sum(dim=1), settings.num_samples)
     return {k: float(v) for k, v in metric.compute().items()}
 
 
-def evaluation_rows(dataset: str, split: str, num_questions: int | None) -> list[dict[str, str]]:
+def sample_scores(groups: list[list[Completion]], answers: list[str], judge: RewardRunner, tokenizer: Any,
+                  trajectories: TrajectoryRunner | None = None) -> list[float]:
+    """Each sample's score (flat, prompt-major): the judge's score of a completion, or of a trajectory's last model
+    turn when it has tools only; an environment's reward when the task has an environment."""
+    flat = [c for g in groups for c in g]
+    if trajectories is not None and trajectories.make_environment is not QuestionEnvironment:
+        return [float(c.trajectory["env_reward"]) for c in flat]
+    texts = [c.trajectory["final_text"] if c.trajectory is not None
+             else tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
+    return list(judge(texts, answers).rewards)
+
+
+def evaluation_rows(dataset: str, split: str, num_questions: int | None,
+                    environment: bool = False) -> list[dict[str, Any]]:
     """The questions of ``split`` of ``dataset`` that an evaluation reads: the first ``num_questions`` (all when
-    None)."""
-    rows = load_gsm8k(dataset, split=split)
+    None); an environment's task rows as they are (``lit_grpo.data.tasks``)."""
+    rows = load_task_rows(dataset, split=split, environment=environment)
     return rows if num_questions is None else rows[:num_questions]
 
 
 def evaluate_pass_at_k_float32(policy: nn.Module, tokenizer: Any, rows: Sequence[dict], settings: PassAtKSettings,
-                               judge: RewardRunner, device: torch.device) -> dict[int, float]:
+                               judge: RewardRunner, device: torch.device,
+                               trajectories: TrajectoryRunner | None = None) -> dict[int, float]:
     """:func:`evaluate_pass_at_k` in float32 outside any autocast, as the ``eval`` command and the callback compute
     it (neither runs inside one)."""
     with torch.autocast(torch.device(device).type, enabled=False):
-        return evaluate_pass_at_k(policy, tokenizer, rows, settings, judge=judge, device=device)
+        return evaluate_pass_at_k(policy, tokenizer, rows, settings, judge=judge, device=device,
+                                  trajectories=trajectories)
 
 
 def log_pass_at_k(loggers: Iterable[Any], results: dict[int, float], step: int) -> dict[str, float]:
