@@ -16,3 +16,8 @@ def flaky(completion: str, answer: str, **kwargs) -> float:
 def has_digit(completion: str, answer: str, **kwargs) -> float:
     """1 when the completion contains a digit: about half of a random tiny model's short samples do."""
     return float(any(ch.isdigit() for ch in completion))
+
+
+def always_one(completion: str, answer: str, **kwargs) -> float:
+    """1 whatever the completion: a judge under which every sample passes."""
+    return 1.0

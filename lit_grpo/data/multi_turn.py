@@ -230,13 +230,16 @@ class TrajectoryRunner:
         trajectory.conversation.append({"role": "assistant", "content": self.renderer.turn_content(tokens)})
         message: dict[str, Any] = {"role": "assistant", "content": content}
         trajectory.messages.append(message)
-        if completion.truncated or over_cap:
-            return self.end(trajectory, "max_total_tokens" if over_cap else "max_new_tokens", truncated=True)
+        cut = completion.truncated or over_cap
         try:
-            reply = self.respond(trajectory, content, message)
+            # a turn cut at a cap still goes to the environment, as a single-turn reward scores a cut completion;
+            # its tools do not run (the call is likely cut too), and the trajectory ends after it
+            reply = self.respond(trajectory, content, message, tools=not cut)
         except Exception as e:  # the environment raised or answered out of shape: counted, the trajectory ends
             trajectory.env_error = f"{type(e).__name__}: {e}"
             return self.end(trajectory, "env_error")
+        if cut:
+            return self.end(trajectory, "max_total_tokens" if over_cap else "max_new_tokens", truncated=True)
         if reply is None:
             return self.end(trajectory, "done")
         if trajectory.turns >= self.options.max_turns:
@@ -259,11 +262,11 @@ class TrajectoryRunner:
         trajectory.conversation += reply
         trajectory.messages += reply
 
-    def respond(self, trajectory: Trajectory, content: str,
-                message: dict[str, Any]) -> list[dict[str, Any]] | None:
+    def respond(self, trajectory: Trajectory, content: str, message: dict[str, Any],
+                tools: bool = True) -> list[dict[str, Any]] | None:
         """The messages that answer the model's turn (tool results, or the environment's reply), ``None`` when the
         trajectory is done. Records tool calls in ``message`` and the environment's reward in the trajectory."""
-        if self.tools:
+        if self.tools and tools:
             try:
                 calls = self.parse_tool_calls(content)
             except ToolCallError as e:
