@@ -38,7 +38,8 @@ from lit_grpo.core.distributed import all_reduce, is_distributed, stack_to_host
 MICRO_BATCHES, ITERATIONS, RANKS = "micro_batches", "iterations", "ranks"
 AXES = (MICRO_BATCHES, ITERATIONS, RANKS)
 #: the rollout statistics that are counts over the rank's batch (or its data module's run), so they add over ranks
-ROLLOUT_COUNTS = ("generated_tokens", "reward_errors", "reward_timeouts")
+ROLLOUT_COUNTS = ("generated_tokens", "reward_errors", "reward_timeouts", "env_errors", "tool_errors",
+                  "template_mismatch")
 ROLLOUT_PREFIX = "rollout/"
 
 # on the device, per micro-batch: float64 0-d tensors, no host sync
