@@ -15,13 +15,22 @@ change only the difficulty:
 Names (``load_gsm8k(name, split)``, ``data.dataset``, ``GSM8KPassAtK(dataset=...)``):
 ``synthetic:<task>`` or ``synthetic:<task>:seed=<n>`` (another draw of problems and split; default seed 0),
 with ``<task>`` one of :data:`TASKS`: ``add_2digit`` (8,100 problems, 10..99 + 10..99) and ``add_3digit``
-(810,000 problems, 100..999 + 100..999).
+(810,000 problems, 100..999 + 100..999), or one of :data:`MUL_TASKS`, the tool-use tasks.
+
+The tool-use tasks (:data:`MUL_TASKS`): ``mul_2digit`` (10..99 * 10..99) and ``mul_3x2digit`` (100..999 * 10..99),
+rows ``{"question": "What is 47 * 38?", "answer": "#### 1786", "gold": "1786"}``. A character model of the size that
+trains on a CPU cannot multiply in its head, but it can copy the operands into a call of the ``calculator`` tool
+(:mod:`lit_grpo.environments.calculator`) and copy the result back: the task of the CPU tool-use demo. Their splits
+are disjoint up to the order of the operands (``47 * 38`` in test keeps ``38 * 47`` out of train), so a model cannot
+answer a test question from a train product it memorised. :func:`tool_sft_example` lays out one supervised example
+token by token as a multi-turn rollout holds it (the warm start of ``calc-tiny-sft``).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 PREFIX = "synthetic:"
 SPLITS: tuple[str, ...] = ("train", "test")
@@ -30,6 +39,8 @@ TRAIN_SIZE = 5000
 
 #: task name -> number of digits of both operands
 TASKS: dict[str, int] = {"add_2digit": 2, "add_3digit": 3}
+#: tool-use task name -> number of digits of the first and of the second factor
+MUL_TASKS: dict[str, tuple[int, int]] = {"mul_2digit": (2, 2), "mul_3x2digit": (3, 2)}
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,28 @@ class Problem:
         return out
 
 
+@dataclass(frozen=True)
+class Product:
+    """``operands[0] * operands[1]``, answered in one line ``#### <product>`` (with the calculator's help)."""
+
+    operands: tuple[int, int]
+
+    @property
+    def result(self) -> int:
+        return self.operands[0] * self.operands[1]
+
+    @property
+    def question(self) -> str:
+        return f"What is {self.operands[0]} * {self.operands[1]}?"
+
+    @property
+    def expression(self) -> str:
+        """What a solver types into the calculator: the question's own spelling, so that a character model copies
+        one unbroken span of it (with ``47*38`` the copy breaks at the operator, and a small model's copies of
+        the second factor slipped by a digit)."""
+        return f"{self.operands[0]} * {self.operands[1]}"
+
+
 def final_answer(columns: list[Column]) -> int:
     """The number the written columns spell: the last column's sum, then the units digits of the others."""
     return int(str(columns[-1].total) + "".join(str(c.total % 10) for c in reversed(columns[:-1])))
@@ -92,13 +125,15 @@ def worked_answer(columns: list[Column]) -> str:
     return "\n".join(c.line for c in columns) + f"\n#### {final_answer(columns)}"
 
 
-def as_row(problem: Problem) -> dict[str, str]:
+def as_row(problem: Problem | Product) -> dict[str, str]:
+    if isinstance(problem, Product):
+        return {"question": problem.question, "answer": f"#### {problem.result}", "gold": str(problem.result)}
     return {"question": problem.question, "answer": worked_answer(problem.columns()), "gold": str(problem.result)}
 
 
 def task_names() -> list[str]:
     """Every valid dataset name of this module (default seed), e.g. ``synthetic:add_2digit``."""
-    return [PREFIX + task for task in TASKS]
+    return [PREFIX + task for task in (*TASKS, *MUL_TASKS)]
 
 
 def is_synthetic(source: object) -> bool:
@@ -112,7 +147,7 @@ def parse_name(source: str) -> tuple[str, int]:
     if not is_synthetic(source):
         raise ValueError(f"dataset {source!r} is not a synthetic task; {expected}")
     task, _, rest = source[len(PREFIX):].partition(":")
-    if task not in TASKS:
+    if task not in TASKS and task not in MUL_TASKS:
         raise ValueError(f"unknown synthetic task {task!r} in dataset {source!r}; {expected}")
     seed = 0
     if rest:
@@ -124,11 +159,13 @@ def parse_name(source: str) -> tuple[str, int]:
 
 
 def generate_problems(task: str, seed: int = 0, test_size: int = TEST_SIZE,
-                      train_size: int = TRAIN_SIZE) -> dict[str, list[Problem]]:
+                      train_size: int = TRAIN_SIZE) -> dict[str, list[Problem]] | dict[str, list[Product]]:
     """Both splits of one draw: ``test_size + train_size`` distinct problems from one seeded stream, the first
     ``test_size`` for test and the rest for train, so the splits never share a problem."""
+    if task in MUL_TASKS:
+        return generate_products(task, seed, test_size, train_size)
     if task not in TASKS:
-        raise ValueError(f"unknown synthetic task {task!r}; expected one of {sorted(TASKS)}")
+        raise ValueError(f"unknown synthetic task {task!r}; expected one of {sorted((*TASKS, *MUL_TASKS))}")
     if test_size < 1 or train_size < 1:
         raise ValueError(f"test_size and train_size must be >= 1, got {test_size} and {train_size}")
     low, high = 10 ** (TASKS[task] - 1), 10 ** TASKS[task] - 1
@@ -143,6 +180,78 @@ def generate_problems(task: str, seed: int = 0, test_size: int = TEST_SIZE,
             seen.add(operands)
             problems.append(Problem(operands))
     return {"test": problems[:test_size], "train": problems[test_size:]}
+
+
+def generate_products(task: str, seed: int = 0, test_size: int = TEST_SIZE,
+                      train_size: int = TRAIN_SIZE) -> dict[str, list[Product]]:
+    """Both splits of a tool-use task, drawn as :func:`generate_problems` draws (its own seeded stream, test first),
+    with a product and its swapped twin counted as one problem, so the splits never share a product. A task with
+    fewer problems than ``test_size + train_size`` puts all the rest in train (``mul_2digit``: 4,095 problems,
+    200 test and 3,895 train)."""
+    if task not in MUL_TASKS:
+        raise ValueError(f"unknown tool-use task {task!r}; expected one of {sorted(MUL_TASKS)}")
+    if test_size < 1 or train_size < 1:
+        raise ValueError(f"test_size and train_size must be >= 1, got {test_size} and {train_size}")
+    ranges = [(10 ** (d - 1), 10**d - 1) for d in MUL_TASKS[task]]
+    total = distinct_products(ranges)
+    if test_size >= total:
+        raise ValueError(f"task {task!r} has {total} problems; expected test_size below that, got {test_size}")
+    train_size = min(train_size, total - test_size)
+    rng = random.Random(f"lit_grpo.synthetic:{task}:{seed}")
+    seen: set[tuple[int, int]] = set()
+    problems: list[Product] = []
+    while len(problems) < test_size + train_size:
+        operands = (rng.randint(*ranges[0]), rng.randint(*ranges[1]))
+        if (unordered := tuple(sorted(operands))) not in seen:
+            seen.add(unordered)
+            problems.append(Product(operands))
+    return {"test": problems[:test_size], "train": problems[test_size:]}
+
+
+def distinct_products(ranges: list[tuple[int, int]]) -> int:
+    """How many factor pairs the two ranges hold, a pair and its swapped twin counted once."""
+    (a_low, a_high), (b_low, b_high) = ranges
+    pairs = (a_high - a_low + 1) * (b_high - b_low + 1)
+    low, high = max(a_low, b_low), min(a_high, b_high)  # both orders lie in the ranges only inside the overlap
+    overlap = max(0, high - low + 1)
+    return pairs - overlap * (overlap - 1) // 2
+
+
+def tool_sft_example(tokenizer: Any, problem: Product, use_tool: bool) -> tuple[list[int], list[int], list[int]]:
+    """One supervised example of the tool-use task, laid out as a multi-turn rollout holds it:
+    ``(prompt_ids, completion_ids, trained)``, where ``trained`` is 1 on the model's tokens and 0 on the
+    environment's.
+
+    The prompt is the user's question rendered by the chat template
+    (:class:`lit_grpo.environments.rendering.ConversationRenderer`, no system prompt). With ``use_tool`` the model's
+    first turn is :func:`lit_grpo.environments.calculator.calculator_call_text` of the product and its end token;
+    then the tool message with the calculator's answer, rendered as the difference of the conversation before and
+    after it (``ConversationRenderer.continuation``: not trained, the model never learns to predict a tool's output);
+    then the final turn ``#### <product>`` and its end token. Without, the only turn is ``#### <product>``."""
+    from lit_grpo.environments.calculator import calculator, calculator_call_text
+    from lit_grpo.environments.rendering import ConversationRenderer
+
+    renderer = ConversationRenderer(tokenizer)
+    eos = tokenizer.eos_token_id
+    conversation: list[dict[str, Any]] = [{"role": "user", "content": problem.question}]
+    prompt, held_text = renderer.prompt(conversation)
+    completion: list[int] = []
+    trained: list[int] = []
+    if use_tool:
+        call_text = calculator_call_text(problem.expression)
+        turn = renderer.encode(call_text) + [eos]
+        turn_text = renderer.decode(turn)
+        held_text += turn_text
+        conversation.append({"role": "assistant", "content": call_text})
+        tool_message = {"role": "tool", "name": "calculator", "content": calculator(problem.expression)}
+        reply = renderer.continuation(conversation, [tool_message], held_text, turn_text)
+        if reply.template_mismatch:
+            raise ValueError("the chat template renders the tool call differently from its tokens; expected a "
+                             "template that writes assistant content as given")
+        completion += turn + reply.token_ids
+        trained += [1] * len(turn) + [0] * len(reply.token_ids)
+    final = renderer.encode(f"#### {problem.result}") + [eos]
+    return prompt, completion + final, trained + [1] * len(final)
 
 
 def generate_rows(task: str, split: str, seed: int = 0) -> list[dict[str, str]]:

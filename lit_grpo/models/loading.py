@@ -11,6 +11,10 @@ Aliases:
   warm-start on the synthetic task ``synthetic:add_2digit``: it can solve the task but samples the right answer
   only ~20 % of the time, so GRPO has room to improve it on a CPU in minutes (see ``lit_grpo.training.warm_start``);
   trained on first use (one thread, seeded, ~2-3 minutes) and cached under ``$LIT_GRPO_CACHE``.
+- ``calc-tiny-sft``: the same architecture with :func:`tiny_tool_tokenizer`, warm-started on the tool-use task
+  ``synthetic:mul_2digit``: some of the time it calls the ``calculator`` tool (Hermes ``<tool_call>``) and copies
+  the result, which is nearly always right; otherwise it answers directly, which is nearly always wrong. GRPO
+  teaches it to call the tool; built on first use and cached the same way.
 
 Each alias is named in :data:`ALIAS_LOADERS` by the import path of its loader, resolved when the alias is asked
 for. A recipe that builds its model by training (``lit_grpo.training.warm_start``) uses this module (the tokenizer, the
@@ -46,6 +50,8 @@ ALIAS_LOADERS: dict[str, str] = {
     "tiny-random-llama": "lit_grpo.models.loading:load_tiny_random_llama",
     # small Llama warm-started on synthetic:add_2digit, trained on first use
     "arith-tiny-sft": "lit_grpo.training.warm_start:load_arith_tiny_sft",
+    # small Llama warm-started to answer synthetic:mul_2digit with a calculator tool some of the time
+    "calc-tiny-sft": "lit_grpo.training.warm_start:load_calc_tiny_sft",
 }
 ALIASES = tuple(ALIAS_LOADERS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,6 +82,30 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
     fast.add_special_tokens({"additional_special_tokens": specials})
     fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+#: the Hermes tool-call tags, one token each in :func:`tiny_tool_tokenizer`
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+# ChatML for system, user, assistant and tool messages (a tool message: <|im_start|>tool\n{content}<|im_end|>\n),
+# the content written as given (an assistant message with only tool_calls has none). It takes the ``tools`` that
+# apply_chat_template passes and does not list them: a 0.27M-parameter character model with 256 positions has no room
+# for a JSON schema in its prompt (the calculator's alone is ~400 characters); it learns its one tool, and the call's
+# spelling, from its warm start instead.
+TOOL_CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}{{ '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def tiny_tool_tokenizer() -> PreTrainedTokenizerFast:
+    """:func:`tiny_tokenizer` plus ``<tool_call>`` and ``</tool_call>`` as added tokens, one id each, that are not
+    special (decoding keeps them, also with ``skip_special_tokens``, so the Hermes parser sees the tags), with
+    :data:`TOOL_CHATML_TEMPLATE`. The character ids are those of :func:`tiny_tokenizer`; the tags come after them."""
+    fast = tiny_tokenizer()
+    fast.add_tokens(list(TOOL_CALL_TAGS), special_tokens=False)
+    fast.chat_template = TOOL_CHATML_TEMPLATE
     return fast
 
 

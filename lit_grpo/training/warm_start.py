@@ -26,11 +26,23 @@ change to any of them trains a fresh model instead of loading a stale one. Later
 
 The recipe sits above model loading: it builds on :mod:`lit_grpo.models.loading` (the character tokenizer, the cache
 folder), and the ``arith-tiny-sft`` alias there names :func:`load_arith_tiny_sft` by its import path.
+
+``calc-tiny-sft`` (:class:`ToolWarmStartConfig`, :data:`CALC_TINY_SFT`) is the same recipe on the tool-use task
+``synthetic:mul_2digit``, with the character tokenizer plus the Hermes tool-call tags
+(:func:`lit_grpo.models.loading.tiny_tool_tokenizer`). Each training example is a whole rollout, laid out token by
+token as the multi-turn driver lays it out (:func:`lit_grpo.data.synthetic.tool_sft_example`): a share
+``tool_fraction`` of the train problems is answered by a call of the ``calculator`` tool, the tool's message (not
+trained: label -100) and ``#### <product>``; the others by ``#### <product>`` alone. The model cannot multiply two
+two-digit numbers in its head, so its direct answers are nearly always wrong while its tool calls nearly always
+succeed: held-out Pass@1 at temperature 1 starts near ``tool_fraction`` times its tool-call accuracy, and GRPO can
+raise it by making the model call the tool more often. Without label smoothing: the ~60 characters of a call must
+all be copied right, and smoothing would spread its error over every one of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -40,16 +52,21 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lit_grpo.data.prompts import prompt_ids
-from lit_grpo.data.synthetic import generate_problems, worked_answer
-from lit_grpo.models.loading import cache_dir, tiny_tokenizer
+from lit_grpo.data.synthetic import generate_problems, tool_sft_example, worked_answer
+from lit_grpo.models.loading import cache_dir, tiny_tokenizer, tiny_tool_tokenizer
 
 #: bump when the training recipe changes in a way the config does not capture, to invalidate old caches
 RECIPE_VERSION = 1
+#: positions of the warm-started models (RoPE): every training sequence must fit
+MAX_POSITIONS = 256
+#: one supervised example: prompt ids, completion ids and, optionally, 1/0 per completion token (0: not trained)
+Example = tuple[list[int], list[int]] | tuple[list[int], list[int], list[int]]
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,9 @@ class WarmStartConfig:
     ``stop_after`` of them (``None``: all). ``label_smoothing`` on the answer tokens sets where GRPO starts
     (held-out Pass@1 at temperature 1: ~0.36 at 0.05, ~0.26 at 0.06, ~0.21 at 0.07).
     """
+
+    #: the model alias the config is built for (names its cache folder; a class attribute, not in the key)
+    alias: ClassVar[str] = "arith-tiny-sft"
 
     task: str = "add_2digit"
     data_seed: int = 0
@@ -94,10 +114,68 @@ def build_environment() -> dict[str, str]:
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
+@dataclass(frozen=True)
+class ToolWarmStartConfig(WarmStartConfig):
+    """The warm start of a tool-using policy (``calc-tiny-sft``): :class:`WarmStartConfig`'s architecture and
+    schedule on a tool-use task (:data:`lit_grpo.data.synthetic.MUL_TASKS`), with a share ``tool_fraction`` of the
+    train problems solved by a calculator call (drawn once per problem from ``data_seed``) and the rest answered
+    directly. ``label_smoothing`` applies to every trained token (the model's, never the tool's)."""
+
+    alias: ClassVar[str] = "calc-tiny-sft"
+    task: str = "mul_2digit"
+    tool_fraction: float = 0.4
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.tool_fraction <= 1.0:
+            raise ValueError(f"tool_fraction must lie in [0, 1], got {self.tool_fraction}")
+
+
+def warm_start_tokenizer(config: WarmStartConfig):  # noqa: ANN201 (a Hugging Face tokenizer)
+    """The tokenizer the config's model reads: the character tokenizer, plus the tool-call tags for a tool task."""
+    return tiny_tool_tokenizer() if isinstance(config, ToolWarmStartConfig) else tiny_tokenizer()
+
+
+def uses_tool(config: ToolWarmStartConfig) -> list[bool]:
+    """Which train problems (in order) are solved with the tool: each with probability ``tool_fraction``, drawn
+    from a stream of its own, so the choice depends on ``data_seed`` only (not on the training seed)."""
+    rng = random.Random(f"lit_grpo.training.warm_start:tool:{config.task}:{config.data_seed}")
+    return [rng.random() < config.tool_fraction for _ in generate_problems(config.task, config.data_seed)["train"]]
+
+
+@functools.lru_cache(maxsize=4)
+def tool_examples(task: str, data_seed: int, tool_fraction: float) -> tuple[Example, ...]:
+    """The tool warm start's examples, which depend on these three fields only; kept, because the cache key
+    hashes them and training reads them (rendering every rollout through the chat template takes seconds)."""
+    config = ToolWarmStartConfig(task=task, data_seed=data_seed, tool_fraction=tool_fraction)
+    tokenizer = warm_start_tokenizer(config)
+    problems = generate_problems(task, data_seed)["train"]
+    return tuple(tool_sft_example(tokenizer, p, tool) for p, tool in zip(problems, uses_tool(config)))
+
+
+def training_examples(config: WarmStartConfig, tokenizer) -> list[Example]:  # noqa: ANN001
+    """Every supervised example of the config's train split: ``(prompt_ids, answer_ids)`` of a worked solution
+    for the arithmetic tasks; whole tool-use rollouts (:func:`lit_grpo.data.synthetic.tool_sft_example`) for a
+    :class:`ToolWarmStartConfig`."""
+    if isinstance(config, ToolWarmStartConfig):
+        return list(tool_examples(config.task, config.data_seed, config.tool_fraction))
+    problems = generate_problems(config.task, config.data_seed)["train"]
+    eos = tokenizer.eos_token_id
+    return [
+        (prompt_ids(tokenizer, p.question, None),
+         list(tokenizer(worked_answer(p.columns()), add_special_tokens=False)["input_ids"]) + [eos])
+        for p in problems
+    ]
+
+
 def training_data_digest(config: WarmStartConfig) -> str:
     """SHA-256 of the training data as the model sees it: every train problem's question and worked answer, the
     tokenizer's vocabulary, special tokens and chat template, and the prompt ids of the first question (so a
-    change to the generator, the answer format, the prompt template or the tokenizer changes the digest)."""
+    change to the generator, the answer format, the prompt template or the tokenizer changes the digest).
+    For a :class:`ToolWarmStartConfig`: the tokenizer and every example's token ids and trained mask."""
+    if isinstance(config, ToolWarmStartConfig):
+        return tool_training_data_digest(config)
     tokenizer = tiny_tokenizer()
     problems = generate_problems(config.task, config.data_seed)["train"]
     digest = hashlib.sha256()
@@ -106,6 +184,19 @@ def training_data_digest(config: WarmStartConfig) -> str:
                               "first_prompt": prompt_ids(tokenizer, problems[0].question, None)}).encode())
     for problem in problems:
         digest.update(f"{problem.question}\x00{worked_answer(problem.columns())}\x00".encode())
+    return digest.hexdigest()
+
+
+def tool_training_data_digest(config: ToolWarmStartConfig) -> str:
+    """SHA-256 of a tool warm start's data: the tokenizer (vocabulary, special tokens, chat template) and every
+    example exactly as trained (prompt, completion and trained mask), so a change to the task, the call's
+    spelling, the rendering of the tool message or the choice of problems changes it."""
+    tokenizer = warm_start_tokenizer(config)
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "template": tokenizer.chat_template,
+                              "specials": tokenizer.all_special_tokens}).encode())
+    for example in tool_examples(config.task, config.data_seed, config.tool_fraction):
+        digest.update(json.dumps(example).encode())
     return digest.hexdigest()
 
 
@@ -130,6 +221,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 #: the config behind the ``arith-tiny-sft`` alias
 ARITH_TINY_SFT = WarmStartConfig()
+#: the config behind the ``calc-tiny-sft`` alias
+CALC_TINY_SFT = ToolWarmStartConfig()
 
 
 def build_model(config: WarmStartConfig, vocab_size: int) -> LlamaForCausalLM:
@@ -141,7 +234,7 @@ def build_model(config: WarmStartConfig, vocab_size: int) -> LlamaForCausalLM:
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_attention_heads,
-        max_position_embeddings=256,
+        max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
     )
     with torch.random.fork_rng(devices=[]):
@@ -149,17 +242,21 @@ def build_model(config: WarmStartConfig, vocab_size: int) -> LlamaForCausalLM:
         return LlamaForCausalLM(llama)
 
 
-def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Right-padded ids, attention mask and labels (-100 on prompt and padding: the loss is on the answer only)."""
-    width = max(len(p) + len(a) for p, a in examples)
+def sft_batch(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded ids, attention mask and labels (-100 on prompt and padding: the loss is on the answer only;
+    also on the completion tokens an example marks 0, the environment's)."""
+    width = max(len(e[0]) + len(e[1]) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
-    for row, (p, a) in enumerate(examples):
+    for row, (p, a, *trained) in enumerate(examples):
         n = len(p) + len(a)
         ids[row, :n] = torch.tensor(p + a)
         mask[row, :n] = 1
-        labels[row, len(p):n] = torch.tensor(a)
+        targets = torch.tensor(a)
+        if trained:
+            targets = torch.where(torch.tensor(trained[0]) == 1, targets, torch.full_like(targets, -100))
+        labels[row, len(p):n] = targets
     return ids, mask, labels
 
 
@@ -179,15 +276,13 @@ def train_warm_start(
     split (the test split is never seen). Prompts are the ones
     GRPO and Pass@k build: the chat template with no system prompt (``data.system_prompt: null``).
     ``on_step(step, model, loss)`` is called after every optimizer step (for probes; it must not train)."""
-    tokenizer = tiny_tokenizer()
+    tokenizer = warm_start_tokenizer(config)
     model = build_model(config, len(tokenizer))
-    problems = generate_problems(config.task, config.data_seed)["train"]
-    eos = tokenizer.eos_token_id
-    examples = [
-        (prompt_ids(tokenizer, p.question, None),
-         list(tokenizer(worked_answer(p.columns()), add_special_tokens=False)["input_ids"]) + [eos])
-        for p in problems
-    ]
+    examples = training_examples(config, tokenizer)
+    longest = max(len(e[0]) + len(e[1]) for e in examples)
+    if longest > MAX_POSITIONS:
+        raise ValueError(f"the longest training sequence of {config.task!r} has {longest} tokens; expected at most "
+                         f"the model's {MAX_POSITIONS} positions")
     rng = random.Random(f"lit_grpo.training.warm_start:{config.seed}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, betas=(0.9, 0.98))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(config, step))
@@ -213,7 +308,7 @@ def train_warm_start(
 
 
 def cached_dir(config: WarmStartConfig = ARITH_TINY_SFT) -> Path:
-    return cache_dir() / f"arith-tiny-sft-{config.key()}"
+    return cache_dir() / f"{config.alias}-{config.key()}"
 
 
 def load_warm_started(config: WarmStartConfig = ARITH_TINY_SFT, dtype: torch.dtype = torch.float32,
@@ -222,9 +317,9 @@ def load_warm_started(config: WarmStartConfig = ARITH_TINY_SFT, dtype: torch.dty
     minutes) and cached for the next run. The cached folder is a plain Hugging Face model directory."""
     folder = cached_dir(config)
     if (folder / "config.json").exists():
-        return LlamaForCausalLM.from_pretrained(folder, dtype=dtype), tiny_tokenizer()
+        return LlamaForCausalLM.from_pretrained(folder, dtype=dtype), warm_start_tokenizer(config)
     if log is not None:
-        log(f"arith-tiny-sft: supervised warm-start on synthetic:{config.task} "
+        log(f"{config.alias}: supervised warm-start on synthetic:{config.task} "
             f"({config.stop_after or config.steps} steps, one thread), cached in {folder}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -253,3 +348,9 @@ def load_arith_tiny_sft(dtype: torch.dtype) -> tuple[LlamaForCausalLM, object]:
     """The ``arith-tiny-sft`` alias of :func:`lit_grpo.models.loading.load_model_and_tokenizer`:
     :data:`ARITH_TINY_SFT`."""
     return load_warm_started(ARITH_TINY_SFT, dtype=dtype)
+
+
+def load_calc_tiny_sft(dtype: torch.dtype) -> tuple[LlamaForCausalLM, object]:
+    """The ``calc-tiny-sft`` alias of :func:`lit_grpo.models.loading.load_model_and_tokenizer`:
+    :data:`CALC_TINY_SFT`."""
+    return load_warm_started(CALC_TINY_SFT, dtype=dtype)
