@@ -18,6 +18,8 @@ Rewards of the steps add up to the trajectory's reward (``None`` counts 0); ``da
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -91,13 +93,19 @@ def check_step(value: object) -> StepResult:
     else:
         raise EnvironmentShapeError(f"step() returned {_shown(value)}; expected (reply, reward, done) or a "
                                     f"StepResult")
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)
-                               or reward != reward):
+    if reward is not None and not is_finite_number(reward):
         raise EnvironmentShapeError(f"step() returned reward {reward!r}; expected a finite number or None")
     if not isinstance(done, bool):
         raise EnvironmentShapeError(f"step() returned done={done!r}; expected True or False")
     messages = None if reply is None else as_messages(reply, "step()")
     return StepResult(messages, None if reward is None else float(reward), done)
+
+
+def is_finite_number(value: object) -> bool:
+    """Whether ``value`` is a finite real number that is not a bool: Python's, or a NumPy scalar (which registers as
+    ``numbers.Real``), as an environment that computes its reward with NumPy returns it. NaN and infinities would
+    turn the group's advantages into NaN."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
 
 
 def close(environment: object) -> None:
