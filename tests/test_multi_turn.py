@@ -154,12 +154,14 @@ def test_step_answers_are_checked():
     assert check_step([None, None, True]) == StepResult(None, None, True)
     assert check_step((None, np.float32(0.5), True)).reward == 0.5  # a reward computed with NumPy
     assert check_step(StepResult([{"role": "tool", "content": "5"}], np.int64(2))).reward == 2.0
+    assert check_step((None, 1.0, np.int64(3) == 3)).done is True  # a NumPy bool, as a comparison gives it
     assert check_reset([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])[1]["content"] == "u"
     for bad, expected in [((None, float("inf"), True), "reward inf; expected a finite number"),
                           ((None, float("nan"), True), "reward nan; expected a finite number"),
                           ((None, True, True), "reward True; expected a finite number"),
                           ((None, "1", True), "reward '1'; expected a finite number"),
                           ((None, 1.0, 1), "done=1; expected True or False"),
+                          ((None, 1.0, np.array([True])), "expected True or False"),
                           (({"content": "x"}, 1.0, False), "expected a string or a list of chat messages"),
                           ((None, 1.0), "expected (reply, reward, done) or a StepResult")]:
         with pytest.raises(EnvironmentShapeError, match=re.escape(expected)):

@@ -95,10 +95,11 @@ def check_step(value: object) -> StepResult:
                                     f"StepResult")
     if reward is not None and not is_finite_number(reward):
         raise EnvironmentShapeError(f"step() returned reward {reward!r}; expected a finite number or None")
-    if not isinstance(done, bool):
+    # a NumPy bool (``done = guess == target`` on NumPy values) is a bool too: a 0-d value of dtype bool
+    if not (isinstance(done, bool) or (getattr(done, "dtype", None) == bool and getattr(done, "ndim", 1) == 0)):
         raise EnvironmentShapeError(f"step() returned done={done!r}; expected True or False")
     messages = None if reply is None else as_messages(reply, "step()")
-    return StepResult(messages, None if reward is None else float(reward), done)
+    return StepResult(messages, None if reward is None else float(reward), bool(done))
 
 
 def is_finite_number(value: object) -> bool:
