@@ -33,10 +33,17 @@ folder), and the ``arith-tiny-sft`` alias there names :func:`load_arith_tiny_sft
 token as the multi-turn driver lays it out (:func:`lit_grpo.data.synthetic.tool_sft_example`): a share
 ``tool_fraction`` of the train problems is answered by a call of the ``calculator`` tool, the tool's message (not
 trained: label -100) and ``#### <product>``; the others by ``#### <product>`` alone. The model cannot multiply two
-two-digit numbers in its head, so its direct answers are nearly always wrong while its tool calls nearly always
-succeed: held-out Pass@1 at temperature 1 starts near ``tool_fraction`` times its tool-call accuracy, and GRPO can
-raise it by making the model call the tool more often. Without label smoothing: the ~60 characters of a call must
-all be copied right, and smoothing would spread its error over every one of them.
+two-digit numbers in its head, so its direct answers are nearly always wrong, while a tool call can succeed: held-out
+Pass@1 at temperature 1 is about ``tool_fraction`` times its accuracy through the tool, and GRPO can raise it by
+making the model call the tool more often (and copy the result back more reliably). Without label smoothing: the ~60
+characters of a call must all be copied right, and smoothing would spread its error over every one of them.
+
+Measured (``experiments/calc_warm_start.py``: 100 test questions x 8 samples, temperature 1) for
+:data:`CALC_TINY_SFT` (tool_fraction 0.4, 1,600 steps, ~9 minutes on one thread): the first turn calls the tool
+0.37 of the time, the call's expression is the question's 0.97 of the time, a trajectory that calls it ends right
+0.40 of the time (copying the tool's 3-4 digit result into ``#### <n>`` is the weak step), a direct answer 0.006;
+Pass@1 0.15. At 800 steps the copies were poor (expression right 0.24, Pass@1 0.03); with the expression spelled
+``47*38`` instead of the question's ``47 * 38``, 0.04.
 """
 
 from __future__ import annotations
@@ -123,6 +130,7 @@ class ToolWarmStartConfig(WarmStartConfig):
 
     alias: ClassVar[str] = "calc-tiny-sft"
     task: str = "mul_2digit"
+    steps: int = 1600  # at 800 the model copies the question's factors into its call only ~1/4 of the time
     tool_fraction: float = 0.4
     label_smoothing: float = 0.0
 
