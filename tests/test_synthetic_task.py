@@ -65,7 +65,7 @@ def test_rows_are_gsm8k_rows_that_the_reward_accepts() -> None:
     assert [correctness_reward("#### 1", gold) for gold in golds] == [0.0] * 5
 
 
-@pytest.mark.parametrize("bad", ["synthetic:mul_2digit", "synthetic:add_2digit:sed=1", "synthetic:add_2digit:seed=x",
+@pytest.mark.parametrize("bad", ["synthetic:sub_2digit", "synthetic:add_2digit:sed=1", "synthetic:add_2digit:seed=x",
                                  "gsm8k"])
 def test_bad_names_are_rejected_with_the_valid_ones(bad: str) -> None:
     with pytest.raises(ValueError, match="synthetic:add_2digit"):
