@@ -47,13 +47,13 @@ def test_overlay_config_parses_on_the_base_and_wins(path, monkeypatch, capsys):
 
 
 # the stacks of three configs that `python -m lit_grpo configs` lists (from each config's usage comment): a REC
-# setting after a loss, the server after a Table 1 row
+# setting after a loss, the server or the calculator tool after a Table 1 row
 STACKS = sorted({tuple(config.stack) for config in shipped().values() if len(config.stack) > 2})
 
 
 def test_the_stacks_of_three_are_found():
-    assert {stack[-1] for stack in STACKS} == {"gsm8k/server", "rec/settings/mixed", "rec/settings/on_policy",
-                                              "rec/settings/one_step_stale"}
+    assert {stack[-1] for stack in STACKS} == {"gsm8k/server", "gsm8k/calculator", "rec/settings/mixed",
+                                              "rec/settings/on_policy", "rec/settings/one_step_stale"}
 
 
 @pytest.mark.parametrize("stack", STACKS, ids="+".join)
