@@ -82,6 +82,7 @@ def measure(model: torch.nn.Module, tokenizer, task: str, questions: int, sample
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tool-fraction", type=float, default=CALC_TINY_SFT.tool_fraction)
+    parser.add_argument("--copy-fraction", type=float, default=CALC_TINY_SFT.copy_fraction)
     parser.add_argument("--label-smoothing", type=float, default=CALC_TINY_SFT.label_smoothing)
     parser.add_argument("--steps", type=int, default=CALC_TINY_SFT.steps)
     parser.add_argument("--task", default=CALC_TINY_SFT.task)
@@ -89,7 +90,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed")
     args = parser.parse_args()
-    config = dataclasses.replace(CALC_TINY_SFT, tool_fraction=args.tool_fraction, task=args.task,
+    config = dataclasses.replace(CALC_TINY_SFT, tool_fraction=args.tool_fraction, copy_fraction=args.copy_fraction,
+                                 task=args.task,
                                  label_smoothing=args.label_smoothing, steps=args.steps)
     start = time.perf_counter()
     model, tokenizer = load_warm_started(config)

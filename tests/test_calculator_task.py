@@ -246,3 +246,51 @@ def test_arith_tiny_sft_key_is_unchanged() -> None:
                          sort_keys=True)
     assert ARITH_TINY_SFT.key() == hashlib.sha256(payload.encode()).hexdigest()[:12]
     assert training_examples(ARITH_TINY_SFT, tiny_tokenizer())[0][1][-1] == tiny_tokenizer().eos_token_id
+
+
+def test_copy_examples_train_the_call_and_the_answer_but_not_the_choice_to_call() -> None:
+    tok = tiny_tool_tokenizer()
+    problem = Product((47, 38))
+    _, decided, decided_mask = tool_sft_example(tok, problem, use_tool=True)
+    _, copied, copied_mask = tool_sft_example(tok, problem, use_tool=True, decide=False)
+    assert copied == decided  # the same tokens: only what is trained differs
+    assert decided_mask[0] == 1 and copied_mask[0] == 0  # the call's first token: the decision
+    assert copied_mask[1:] == decided_mask[1:]
+    config = ToolWarmStartConfig(tool_fraction=0.15, copy_fraction=0.45)
+    from lit_grpo.training.warm_start import example_kinds
+
+    kinds = example_kinds(config)
+    shares = {kind: kinds.count(kind) / len(kinds) for kind in ("tool", "copy", "direct")}
+    assert abs(shares["tool"] - 0.15) < 0.03 and abs(shares["copy"] - 0.45) < 0.03
+    # the decided calls are the same problems as without copy examples: one stream, the copy share after them
+    assert uses_tool(config) == uses_tool(dataclasses.replace(config, copy_fraction=0.0))
+    with pytest.raises(ValueError, match="copy_fraction"):
+        ToolWarmStartConfig(tool_fraction=0.6, copy_fraction=0.5)
+
+
+def test_the_tool_demo_config_runs_through_the_command_line(tmp_path) -> None:
+    """The door of configs/demo_tools_cpu.yaml: its tools, multi-turn options and evaluation run end to end (on a
+    warm start of a few steps saved as a model folder; the demo's own warm start takes minutes to build)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lit_grpo.cli.plots import read_scalars
+
+    config = ToolWarmStartConfig(steps=3, warmup_steps=1, batch_size=4, hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=1, num_attention_heads=2)
+    model, tok = train_warm_start(config, log=None)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lit_grpo", "fit", "--config", str(root / "configs" / "demo_tools_cpu.yaml"),
+         "--model.model_name", str(tmp_path / "model"), "--trainer.max_steps", "2", "--data.prompts_per_step", "2",
+         "--data.num_generations", "2", "--data.max_new_tokens", "8", "--eval.num_questions", "2",
+         "--eval.num_samples", "2", "--eval.ks", "[1]", "--trainer.default_root_dir", str(tmp_path / "runs"),
+         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--trainer.enable_progress_bar", "false"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scalars = read_scalars(tmp_path / "runs")
+    assert [step for step, _ in scalars["rollout/turns"]] == [0, 1]
+    assert "rollout/tool_calls" in scalars and "eval/pass@1" in scalars

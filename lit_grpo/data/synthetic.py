@@ -217,7 +217,8 @@ def distinct_products(ranges: list[tuple[int, int]]) -> int:
     return pairs - overlap * (overlap - 1) // 2
 
 
-def tool_sft_example(tokenizer: Any, problem: Product, use_tool: bool) -> tuple[list[int], list[int], list[int]]:
+def tool_sft_example(tokenizer: Any, problem: Product, use_tool: bool,
+                     decide: bool = True) -> tuple[list[int], list[int], list[int]]:
     """One supervised example of the tool-use task, laid out as a multi-turn rollout holds it:
     ``(prompt_ids, completion_ids, trained)``, where ``trained`` is 1 on the model's tokens and 0 on the
     environment's.
@@ -227,7 +228,9 @@ def tool_sft_example(tokenizer: Any, problem: Product, use_tool: bool) -> tuple[
     first turn is :func:`lit_grpo.environments.calculator.calculator_call_text` of the product and its end token;
     then the tool message with the calculator's answer, rendered as the difference of the conversation before and
     after it (``ConversationRenderer.continuation``: not trained, the model never learns to predict a tool's output);
-    then the final turn ``#### <product>`` and its end token. Without, the only turn is ``#### <product>``."""
+    then the final turn ``#### <product>`` and its end token. Without, the only turn is ``#### <product>``. With
+    ``decide`` false the call's first token is context, not a target: the example trains the call and the answer
+    but not the choice to call."""
     from lit_grpo.environments.calculator import calculator, calculator_call_text
     from lit_grpo.environments.rendering import ConversationRenderer
 
@@ -249,7 +252,7 @@ def tool_sft_example(tokenizer: Any, problem: Product, use_tool: bool) -> tuple[
             raise ValueError("the chat template renders the tool call differently from its tokens; expected a "
                              "template that writes assistant content as given")
         completion += turn + reply.token_ids
-        trained += [1] * len(turn) + [0] * len(reply.token_ids)
+        trained += [int(decide)] + [1] * (len(turn) - 1) + [0] * len(reply.token_ids)
     final = renderer.encode(f"#### {problem.result}") + [eos]
     return prompt, completion + final, trained + [1] * len(final)
 

@@ -32,18 +32,24 @@ folder), and the ``arith-tiny-sft`` alias there names :func:`load_arith_tiny_sft
 (:func:`lit_grpo.models.loading.tiny_tool_tokenizer`). Each training example is a whole rollout, laid out token by
 token as the multi-turn driver lays it out (:func:`lit_grpo.data.synthetic.tool_sft_example`): a share
 ``tool_fraction`` of the train problems is answered by a call of the ``calculator`` tool, the tool's message (not
-trained: label -100) and ``#### <product>``; the others by ``#### <product>`` alone. The model cannot multiply two
-two-digit numbers in its head, so its direct answers are nearly always wrong, while a tool call can succeed: held-out
-Pass@1 at temperature 1 is about ``tool_fraction`` times its accuracy through the tool, and GRPO can raise it by
-making the model call the tool more often (and copy the result back more reliably). Without label smoothing: the ~60
-characters of a call must all be copied right, and smoothing would spread its error over every one of them.
+trained: label -100) and ``#### <product>``; a share ``copy_fraction`` the same way but with the call's first token
+(the choice to call) as context rather than target; the others by ``#### <product>`` alone. The model cannot
+multiply two two-digit numbers in its head, so its direct answers are nearly always wrong, while a tool call
+succeeds: held-out Pass@1 at temperature 1 is about the share of first turns that call the tool, and GRPO raises it
+by making the model call the tool. Without label smoothing: the ~60 characters of a call must all be copied right.
+
+Why the copy examples. With calls only in a share ``tool_fraction`` = 0.4 of the examples (1,600 steps), the model
+called the tool 0.37 of the time but then copied the tool's 3-4 digit result into ``#### <n>`` right only 0.40 of
+the time: the direct answers (``#### <product>`` after the question) teach it to produce a product from the
+factors, and that habit competed with copying after the tool's message; GRPO then stalled at Pass@1 0.40. The copy
+examples give the call and the copy their practice without teaching the choice to call, which the ``tool`` and
+``direct`` examples alone set (a share ``tool_fraction / (1 - copy_fraction)`` of first turns).
 
 Measured (``experiments/calc_warm_start.py``: 100 test questions x 8 samples, temperature 1) for
-:data:`CALC_TINY_SFT` (tool_fraction 0.4, 1,600 steps, ~9 minutes on one thread): the first turn calls the tool
-0.37 of the time, the call's expression is the question's 0.97 of the time, a trajectory that calls it ends right
-0.40 of the time (copying the tool's 3-4 digit result into ``#### <n>`` is the weak step), a direct answer 0.006;
-Pass@1 0.15. At 800 steps the copies were poor (expression right 0.24, Pass@1 0.03); with the expression spelled
-``47*38`` instead of the question's ``47 * 38``, 0.04.
+:data:`CALC_TINY_SFT` (tool_fraction 0.1, copy_fraction 0.6, 1,600 steps; 13 minutes on one thread of a loaded
+2-core machine): the first turn calls the tool 0.21 of the time, the call's expression is the question's every
+time, a trajectory that calls it ends right 0.98 of the time, a direct answer 0.002; Pass@1 0.21. With
+tool_fraction 0.15 and copy_fraction 0.45: calls 0.23, right through the tool 0.82, Pass@1 0.19.
 """
 
 from __future__ import annotations
@@ -131,13 +137,19 @@ class ToolWarmStartConfig(WarmStartConfig):
     alias: ClassVar[str] = "calc-tiny-sft"
     task: str = "mul_2digit"
     steps: int = 1600  # at 800 the model copies the question's factors into its call only ~1/4 of the time
-    tool_fraction: float = 0.4
+    tool_fraction: float = 0.1
     label_smoothing: float = 0.0
+    #: a further share of the problems solved with the tool whose *decision* is not trained (the call's first token
+    #: is context, not a target): practice for the call and for copying the tool's result into the answer, which
+    #: leaves the share of first turns that call the tool at tool_fraction / (1 - copy_fraction)
+    copy_fraction: float = 0.6
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.0 <= self.tool_fraction <= 1.0:
             raise ValueError(f"tool_fraction must lie in [0, 1], got {self.tool_fraction}")
+        if not 0.0 <= self.copy_fraction <= 1.0 - self.tool_fraction:
+            raise ValueError(f"copy_fraction must lie in [0, 1 - tool_fraction], got {self.copy_fraction}")
 
 
 def warm_start_tokenizer(config: WarmStartConfig):  # noqa: ANN201 (a Hugging Face tokenizer)
@@ -145,21 +157,35 @@ def warm_start_tokenizer(config: WarmStartConfig):  # noqa: ANN201 (a Hugging Fa
     return tiny_tool_tokenizer() if isinstance(config, ToolWarmStartConfig) else tiny_tokenizer()
 
 
-def uses_tool(config: ToolWarmStartConfig) -> list[bool]:
-    """Which train problems (in order) are solved with the tool: each with probability ``tool_fraction``, drawn
-    from a stream of its own, so the choice depends on ``data_seed`` only (not on the training seed)."""
+def example_kinds(config: ToolWarmStartConfig) -> list[str]:
+    """How each train problem (in order) is solved: ``tool`` (a call, its decision trained) with probability
+    ``tool_fraction``, ``copy`` (a call whose decision is context) with probability ``copy_fraction``, else
+    ``direct``; drawn from a stream of its own, so the choice depends on ``data_seed`` only (not on the training
+    seed)."""
     rng = random.Random(f"lit_grpo.training.warm_start:tool:{config.task}:{config.data_seed}")
-    return [rng.random() < config.tool_fraction for _ in generate_problems(config.task, config.data_seed)["train"]]
+    kinds = []
+    for _ in generate_problems(config.task, config.data_seed)["train"]:
+        u = rng.random()
+        kinds.append("tool" if u < config.tool_fraction else
+                     "copy" if u < config.tool_fraction + config.copy_fraction else "direct")
+    return kinds
+
+
+def uses_tool(config: ToolWarmStartConfig) -> list[bool]:
+    """Which train problems (in order) are solved with a call whose decision is trained (``tool``)."""
+    return [kind == "tool" for kind in example_kinds(config)]
 
 
 @functools.lru_cache(maxsize=4)
-def tool_examples(task: str, data_seed: int, tool_fraction: float) -> tuple[Example, ...]:
-    """The tool warm start's examples, which depend on these three fields only; kept, because the cache key
+def tool_examples(task: str, data_seed: int, tool_fraction: float, copy_fraction: float = 0.0) -> tuple[Example, ...]:
+    """The tool warm start's examples, which depend on these four fields only; kept, because the cache key
     hashes them and training reads them (rendering every rollout through the chat template takes seconds)."""
-    config = ToolWarmStartConfig(task=task, data_seed=data_seed, tool_fraction=tool_fraction)
+    config = ToolWarmStartConfig(task=task, data_seed=data_seed, tool_fraction=tool_fraction,
+                                 copy_fraction=copy_fraction)
     tokenizer = warm_start_tokenizer(config)
     problems = generate_problems(task, data_seed)["train"]
-    return tuple(tool_sft_example(tokenizer, p, tool) for p, tool in zip(problems, uses_tool(config)))
+    return tuple(tool_sft_example(tokenizer, p, kind != "direct", decide=kind == "tool")
+                 for p, kind in zip(problems, example_kinds(config)))
 
 
 def training_examples(config: WarmStartConfig, tokenizer) -> list[Example]:  # noqa: ANN001
@@ -167,7 +193,7 @@ def training_examples(config: WarmStartConfig, tokenizer) -> list[Example]:  # n
     for the arithmetic tasks; whole tool-use rollouts (:func:`lit_grpo.data.synthetic.tool_sft_example`) for a
     :class:`ToolWarmStartConfig`."""
     if isinstance(config, ToolWarmStartConfig):
-        return list(tool_examples(config.task, config.data_seed, config.tool_fraction))
+        return list(tool_examples(config.task, config.data_seed, config.tool_fraction, config.copy_fraction))
     problems = generate_problems(config.task, config.data_seed)["train"]
     eos = tokenizer.eos_token_id
     return [
@@ -203,7 +229,7 @@ def tool_training_data_digest(config: ToolWarmStartConfig) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "template": tokenizer.chat_template,
                               "specials": tokenizer.all_special_tokens}).encode())
-    for example in tool_examples(config.task, config.data_seed, config.tool_fraction):
+    for example in tool_examples(config.task, config.data_seed, config.tool_fraction, config.copy_fraction):
         digest.update(json.dumps(example).encode())
     return digest.hexdigest()
 
