@@ -227,7 +227,7 @@ def test_calc_alias_is_registered_with_its_own_cache_folder() -> None:
     assert cached_dir(ARITH_TINY_SFT).name.startswith("arith-tiny-sft-")
     environment = build_environment()
     assert cache_key(CALC_TINY_SFT, environment, "data") != \
-        cache_key(dataclasses.replace(CALC_TINY_SFT, tool_fraction=0.5), environment, "data")
+        cache_key(dataclasses.replace(CALC_TINY_SFT, tool_fraction=0.3), environment, "data")
     assert warm_start_tokenizer(CALC_TINY_SFT).chat_template == tiny_tool_tokenizer().chat_template
 
 
