@@ -95,8 +95,8 @@ def test_validate_samples_the_environment(tasks, tmp_path, monkeypatch, capsys):
 
 def test_an_eval_dataset_the_environment_cannot_start_is_refused_before_training(tasks, tmp_path):
     import lightning as L
-
     from lit_grpo.callbacks import GSM8KPassAtK, WeightSync
+
     from lit_grpo.training.module import GRPOModule
 
     module = GRPOModule(model_name="tiny-random-llama", temperature=1.0, max_completion_length=4)

@@ -5,6 +5,7 @@ fit`` with no other code."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+import toy_environments
 from conftest import MetricsRecorder, tiny_module, tiny_trainer
 from toy_environments import (
     Broken,
@@ -239,20 +241,8 @@ def test_an_environment_failing_on_the_whole_first_batch_stops_the_fit(tmp_path)
 
 
 # ---- the command line ------------------------------------------------------------------------------------------
-USER_ENVIRONMENT = '''
-class GuessTheNumber:
-    def __init__(self, row: dict):
-        self.target = int(row["target"])
-
-    def reset(self) -> str:
-        return "Guess my number (0-9)."
-
-    def step(self, completion: str) -> tuple[str | None, float | None, bool]:
-        digits = [c for c in completion if c.isdigit()]
-        if digits and int(digits[0]) == self.target:
-            return None, 1.0, True
-        return ("Higher." if digits and int(digits[0]) < self.target else "Lower."), 0.0, False
-'''
+# the plain form as a user writes it, in a module of their own outside the package: the text of the toy's class
+USER_ENVIRONMENT = inspect.getsource(toy_environments.GuessTheNumber)
 
 
 def test_a_users_plain_environment_trains_through_the_command_line(tmp_path):

@@ -96,7 +96,8 @@ def check_step(value: object) -> StepResult:
     if reward is not None and not is_finite_number(reward):
         raise EnvironmentShapeError(f"step() returned reward {reward!r}; expected a finite number or None")
     # a NumPy bool (``done = guess == target`` on NumPy values) is a bool too: a 0-d value of dtype bool
-    if not (isinstance(done, bool) or (getattr(done, "dtype", None) == bool and getattr(done, "ndim", 1) == 0)):
+    if not (isinstance(done, bool) or (getattr(getattr(done, "dtype", None), "kind", None) == "b"
+                                       and getattr(done, "ndim", 1) == 0)):
         raise EnvironmentShapeError(f"step() returned done={done!r}; expected True or False")
     messages = None if reply is None else as_messages(reply, "step()")
     return StepResult(messages, None if reward is None else float(reward), bool(done))
