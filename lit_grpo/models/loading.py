@@ -45,12 +45,12 @@ from transformers import (
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: alias -> ``module:function`` of its loader, called with the torch dtype, returning ``(model, tokenizer)``
+#: (the two warm-started ones are small Llamas trained on first use: on synthetic:add_2digit, and to answer
+#: synthetic:mul_2digit with a calculator tool some of the time)
 ALIAS_LOADERS: dict[str, str] = {
     "smollm2-135m-instruct": "lit_grpo.models.loading:load_smollm2",
     "tiny-random-llama": "lit_grpo.models.loading:load_tiny_random_llama",
-    # small Llama warm-started on synthetic:add_2digit, trained on first use
     "arith-tiny-sft": "lit_grpo.training.warm_start:load_arith_tiny_sft",
-    # small Llama warm-started to answer synthetic:mul_2digit with a calculator tool some of the time
     "calc-tiny-sft": "lit_grpo.training.warm_start:load_calc_tiny_sft",
 }
 ALIASES = tuple(ALIAS_LOADERS)
