@@ -33,7 +33,12 @@ LOOP_THREAD = "openenv-sync-client-loop"  # the name openenv's sync client gives
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, str(SERVER), str(MAX_SESSIONS)], stdout=subprocess.PIPE,
+    yield from serve(MAX_SESSIONS)
+
+
+def serve(max_sessions: int) -> Iterator[str]:
+    """The test server with room for ``max_sessions`` sessions, running until the generator is closed."""
+    proc = subprocess.Popen([sys.executable, str(SERVER), str(max_sessions)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         # imported while the server starts (both take seconds): skipped, with the reason, without the extra
@@ -296,3 +301,31 @@ def test_a_config_names_the_factory_with_its_options():
     assert isinstance(factory, OpenEnvFactory)
     env = factory({"seed": 3})
     assert env.base_url == "http://h:1" and env.reset_kwargs == {"seed": 3}
+
+
+def test_a_fit_trains_on_an_openenv_server():
+    """The adapter as a run uses it: ``data.environment`` an ``OpenEnvFactory``, one step of a fit whose trajectories
+    are played on the server (a session per trajectory, several at once)."""
+    import lightning as L
+    from conftest import MetricsRecorder, tiny_module
+
+    from lit_grpo.callbacks import WeightSync
+    from lit_grpo.data.datamodule import RolloutDataModule
+
+    server = serve(16)
+    url = next(server)
+    try:
+        data = RolloutDataModule(dataset=str(Path(__file__).parent / "data" / "openenv_tasks.jsonl"),
+                                 environment=OpenEnvFactory(base_url=url, connect_timeout_s=30.0),
+                                 prompts_per_step=2, num_generations=2, micro_batch_size=4, max_new_tokens=4,
+                                 system_prompt=None, multi_turn={"max_turns": 2})
+        recorder = MetricsRecorder()
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, callbacks=[WeightSync(), recorder])
+        trainer.fit(tiny_module(max_completion_length=4), data)
+    finally:
+        server.close()
+    (metrics,) = recorder.steps
+    assert metrics["rollout/env_errors"] == 0.0  # every session opened, played and closed
+    assert 1.0 <= metrics["rollout/turns"] <= 2.0
+    assert metrics["rollout/reward_mean"] in {0.0, 0.25, 0.5, 0.75, 1.0}  # the server's rewards, 1 per right guess

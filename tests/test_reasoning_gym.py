@@ -178,3 +178,27 @@ def test_missing_package_names_the_extra(monkeypatch):
     with pytest.raises(rg.ReasoningGymMissing, match=r'pip install "lit_grpo\[reasoning-gym\]"') as caught:
         rg.parse_spec("reasoning_gym:chain_sum")
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, ImportError)
+
+
+def test_a_reasoning_gym_dataset_brings_its_environment_and_trains():
+    """``data.dataset: reasoning_gym:<task>`` alone: the rows are the task's, the environment its scorer, no reward
+    function is added, and a fit step's rewards are the scorer's."""
+    import lightning as L
+    from conftest import MetricsRecorder, tiny_module
+
+    from lit_grpo.callbacks import WeightSync
+    from lit_grpo.data.datamodule import RolloutDataModule
+    from lit_grpo.environments.reasoning_gym import ReasoningGymEnvironment
+
+    data = RolloutDataModule(dataset="reasoning_gym:basic_arithmetic:size=20", prompts_per_step=2, num_generations=2,
+                             micro_batch_size=4, max_new_tokens=4, system_prompt=None)
+    assert data.environment_factory is ReasoningGymEnvironment
+    assert data.reward_runner.functions == [] and len(data.rows) == 20
+    assert data.rows == rg.load_rows("reasoning_gym:basic_arithmetic:size=20", "train")
+    recorder = MetricsRecorder()
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, callbacks=[WeightSync(), recorder])
+    trainer.fit(tiny_module(max_completion_length=4), data)
+    (metrics,) = recorder.steps
+    assert metrics["rollout/turns"] == 1.0 and metrics["rollout/env_errors"] == 0.0
+    assert metrics["rollout/reward_mean"] == 0.0  # four random tokens hold no <answer> tag: the scorer gives 0
