@@ -308,8 +308,8 @@ def test_a_fit_trains_on_an_openenv_server():
     are played on the server (a session per trajectory, several at once)."""
     import lightning as L
     from conftest import MetricsRecorder, tiny_module
-
     from lit_grpo.callbacks import WeightSync
+
     from lit_grpo.data.datamodule import RolloutDataModule
 
     server = serve(16)

@@ -185,8 +185,8 @@ def test_a_reasoning_gym_dataset_brings_its_environment_and_trains():
     function is added, and a fit step's rewards are the scorer's."""
     import lightning as L
     from conftest import MetricsRecorder, tiny_module
-
     from lit_grpo.callbacks import WeightSync
+
     from lit_grpo.data.datamodule import RolloutDataModule
     from lit_grpo.environments.reasoning_gym import ReasoningGymEnvironment
 
