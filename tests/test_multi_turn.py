@@ -286,3 +286,27 @@ def test_print_config_takes_tools_and_multi_turn(tmp_path, monkeypatch, capsys):
     assert data["tools"] == ["toy_environments:add"]
     assert data["multi_turn"] == {"max_turns": 3, "max_total_tokens": 256, "tool_timeout_s": 10.0,
                                   "tool_call_format": "toy_environments:parse_braces"}
+
+
+def test_every_environment_is_closed_when_a_group_fails_to_start_and_a_failing_close_is_warned():
+    class StartsOnce(Counting):
+        made = 0
+
+        def __init__(self, row: dict):
+            StartsOnce.made += 1
+            if StartsOnce.made == 3:  # the third environment of the task cannot start
+                raise RuntimeError("no room")
+            super().__init__(row)
+
+    Counting.closed = 0
+    with pytest.raises(EnvironmentStartError, match="no room"):
+        run(StartsOnce, [{}], 4, lambda prefix, j: chars("hi"), max_turns=2)
+    assert Counting.closed == 2  # the two that started are closed, none is left open
+
+    class ClosesBadly(Counting):
+        def close(self) -> None:
+            raise OSError("socket already gone")
+
+    with pytest.warns(UserWarning, match=r"close\(\) raised OSError: socket already gone; its trajectory is kept"):
+        (group,) = run(ClosesBadly, [{}], 2, lambda prefix, j: chars("hi"), max_turns=2)
+    assert [c.trajectory["env_reward"] for c in group] == [1.0, 1.0]  # two turns at 0.5 each: kept

@@ -142,22 +142,22 @@ class TrajectoryRunner:
         self.mismatch_warned = False
 
     # ---- the first prompt ---------------------------------------------------------------------------
-    def start(self, row: dict[str, Any]) -> tuple[Any, list[dict[str, Any]], list[int], str]:
-        """A fresh environment for ``row``, its first messages (system prompt first), and their prompt."""
+    def start(self, row: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
+        """A fresh environment for ``row`` and its first messages (system prompt first)."""
+        environment = None
         try:
             environment = self.make_environment(row)
-            messages = self.renderer.with_system(check_reset(environment.reset()))
+            return environment, self.renderer.with_system(check_reset(environment.reset()))
         except Exception as e:
+            close(environment)
             raise EnvironmentStartError(f"the environment for the task {_row_name(row)} failed to start: "
                                         f"{type(e).__name__}: {e}") from e
-        ids, text = self.renderer.prompt(messages)
-        return environment, messages, ids, text
 
     def prompt(self, row: dict[str, Any]) -> list[int]:
         """The prompt of ``row``'s task (a throwaway environment's first messages)."""
-        environment, _, ids, _ = self.start(row)
+        environment, messages = self.start(row)
         close(environment)
-        return ids
+        return self.renderer.prompt(messages)[0]
 
     # ---- sampling -----------------------------------------------------------------------------------
     def run(self, rows: list[dict[str, Any]], n: int, sample: Sample, sampling: SamplingConfig, seed: int,
@@ -170,18 +170,22 @@ class TrajectoryRunner:
         none samples its first prompt again and discards it."""
         groups: list[list[Trajectory]] = []
         prompts: list[list[int]] = []
-        for row in rows:
-            group = []
-            for _ in range(n):
-                environment, messages, ids, text = self.start(row)
-                if group and ids != group[0].prompt_ids:
-                    raise EnvironmentStartError(
-                        f"the environments of the task {_row_name(row)} start with different messages; the G "
-                        f"trajectories of a group must share their task (build the environment from the row alone)")
-                group.append(Trajectory(environment, ids, messages, text, messages=list(messages)))
-            groups.append(group)
-            prompts.append(group[0].prompt_ids)
         try:
+            for row in rows:
+                group: list[Trajectory] = []
+                groups.append(group)
+                for _ in range(n):
+                    environment, messages = self.start(row)
+                    if group and messages != group[0].conversation:
+                        close(environment)
+                        raise EnvironmentStartError(
+                            f"the environments of the task {_row_name(row)} start with different messages; the G "
+                            f"trajectories of a group must share their task (build the environment from the row "
+                            f"alone)")
+                    # equal messages render equally: the group's prompt is rendered once
+                    ids, text = (group[0].prompt_ids, group[0].held_text) if group else self.renderer.prompt(messages)
+                    group.append(Trajectory(environment, ids, list(messages), text, messages=list(messages)))
+                prompts.append(group[0].prompt_ids)
             first = sample(prompts, n, sampling, seed)
             if first.error is not None:
                 return first

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -111,13 +112,15 @@ def is_finite_number(value: object) -> bool:
 
 
 def close(environment: object) -> None:
-    """Call the environment's ``close()`` when it has one (errors there end nothing: the trajectory is over)."""
+    """Call the environment's ``close()`` when it has one. An error there ends nothing (the trajectory is over and
+    kept) but is warned: it may leave a resource of the environment's open."""
     closer = getattr(environment, "close", None)
     if callable(closer):
         try:
             closer()
-        except Exception:  # noqa: BLE001 (a failing close must not lose the trajectory)
-            pass
+        except Exception as e:  # noqa: BLE001 (a failing close must not lose the trajectory)
+            warnings.warn(f"an environment's close() raised {type(e).__name__}: {e}; its trajectory is kept",
+                          stacklevel=2)
 
 
 def _shown(value: object) -> str:

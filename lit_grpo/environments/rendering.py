@@ -53,6 +53,7 @@ class ConversationRenderer:
         self.tools = tools or None
         self.system_prompt = system_prompt
         self._closing: str | None = None
+        self._special_ids = frozenset(tokenizer.all_special_ids)  # a property transformers rebuilds on every read
 
     def render(self, messages: Messages, add_generation_prompt: bool) -> str:
         kwargs = {"tools": self.tools} if self.tools else {}
@@ -70,9 +71,8 @@ class ConversationRenderer:
     def turn_content(self, token_ids: list[int]) -> str:
         """A model turn's text as the conversation's assistant message holds it: its tokens decoded with the special
         ones kept, less the special tokens it ends with (its end of turn, which the template writes itself)."""
-        special = set(self.tokenizer.all_special_ids)
         end = len(token_ids)
-        while end and token_ids[end - 1] in special:
+        while end and token_ids[end - 1] in self._special_ids:
             end -= 1
         return self.decode(token_ids[:end])
 
