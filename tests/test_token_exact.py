@@ -305,11 +305,13 @@ def test_the_module_step_counts_the_models_tokens_only(monkeypatch):
 
 
 # ---- alpha, pi_ref and pi on one sequence ---------------------------------------------------------------------
-def test_alpha_pi_ref_and_pi_score_the_same_sequence(tmp_path):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_alpha_pi_ref_and_pi_score_the_same_sequence(tmp_path, precision):
     """v = 1, i = 1 and alpha recomputed by the in-process engine on the batch (``reuse_policy_logprobs=False``), pi_ref
     a copy of the policy: the ratio pi / alpha is exactly 1 on every model token and KL(pi || pi_ref) exactly 0, which
     holds only when the three are scored on the same token sequence, the environment's tokens included. The same
-    fit logs the multi-turn statistics."""
+    fit logs the multi-turn statistics. The invariant holds under bf16 autocast too: the engine scores alpha in the
+    trainer's forward precision."""
     from lit_grpo.callbacks import WeightSync
 
     rows = tmp_path / "rows.jsonl"
@@ -320,7 +322,8 @@ def test_alpha_pi_ref_and_pi_score_the_same_sequence(tmp_path):
                                reuse_policy_logprobs=False, multi_turn={"max_turns": 3})
     module = tiny_module(beta=0.1)
     recorder = MetricsRecorder()
-    trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[WeightSync(every_n_batches=1), recorder])
+    trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[WeightSync(every_n_batches=1), recorder],
+                           precision=precision)
     trainer.fit(module, datamodule=data)
     (step,) = recorder.steps
     assert step["train/ratio_min"] == step["train/ratio_max"] == step["train/ratio_mean"] == 1.0
