@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ports import free_port
+
 WORKER = Path(__file__).with_name("dist_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(jobs: list[dict], world: int, workdir: Path) -> tuple[list[subprocess.Popen], list]:
@@ -47,24 +42,37 @@ def stop(procs: list[subprocess.Popen], logs: list) -> None:
         log.close()
 
 
+#: launches tried when the rendezvous port was taken before rank 0 bound it (another process's listener, picked in
+#: the seconds the ranks take to import torch): the processes fail before their first job, so a retry is a clean start
+ATTEMPTS = 3
+
+
+def _port_was_taken(workdir: Path, world: int) -> bool:
+    return any("EADDRINUSE" in (workdir / f"rank{r}.log").read_text() for r in range(world))
+
+
 def launch(jobs: list[dict], world: int, workdir: Path, timeout_s: float = 300.0) -> list[list[dict]]:
     """Run ``jobs`` in ``world`` processes; returns each rank's list of job results, in rank order."""
-    procs, logs = start(jobs, world, workdir)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
-        stop(procs, logs)
-    codes = [p.returncode for p in procs]
-    if hung or any(codes):
-        tails = "\n".join(f"--- rank {r} (exit {codes[r]}) ---\n" + (workdir / f"rank{r}.log").read_text()[-3000:]
-                          for r in range(world))
-        raise AssertionError(f"multi-process run failed (hung ranks: {hung}, exit codes: {codes})\n{tails}")
+    for attempt in range(ATTEMPTS):
+        procs, logs = start(jobs, world, workdir)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        finally:
+            hung = [r for r, p in enumerate(procs) if p.poll() is None]
+            stop(procs, logs)
+        codes = [p.returncode for p in procs]
+        if (hung or any(codes)) and attempt + 1 < ATTEMPTS and _port_was_taken(workdir, world):
+            continue
+        if hung or any(codes):
+            tails = "\n".join(f"--- rank {r} (exit {codes[r]}) ---\n" + (workdir / f"rank{r}.log").read_text()[-3000:]
+                              for r in range(world))
+            raise AssertionError(f"multi-process run failed (hung ranks: {hung}, exit codes: {codes})\n{tails}")
+        break
     return [json.loads((workdir / f"out.{r}.json").read_text()) for r in range(world)]
 
 
@@ -72,14 +80,21 @@ def launch_to_the_end(jobs: list[dict], world: int, workdir: Path, timeout_s: fl
     """Run ``jobs`` and let every process end by itself (a failing rank does not stop the others): returns the exit
     codes (``None`` for a rank still running at ``timeout_s``, then killed), each rank's output, and the seconds
     until the last one ended."""
-    procs, logs = start(jobs, world, workdir)
-    begin = time.monotonic()
-    while any(p.poll() is None for p in procs) and time.monotonic() - begin < timeout_s:
-        time.sleep(0.2)
-    elapsed = time.monotonic() - begin
-    codes = [p.poll() for p in procs]
-    stop(procs, logs)
-    return codes, [(workdir / f"rank{r}.log").read_text() for r in range(world)], elapsed
+    for attempt in range(ATTEMPTS):
+        procs, logs = start(jobs, world, workdir)
+        begin = time.monotonic()
+        while any(p.poll() is None for p in procs) and time.monotonic() - begin < timeout_s:
+            if attempt + 1 < ATTEMPTS and any(p.poll() not in (None, 0) for p in procs) and _port_was_taken(
+                    workdir, world):
+                break
+            time.sleep(0.2)
+        elapsed = time.monotonic() - begin
+        codes = [p.poll() for p in procs]
+        stop(procs, logs)
+        if attempt + 1 < ATTEMPTS and any(c not in (None, 0) for c in codes) and _port_was_taken(workdir, world):
+            continue
+        return codes, [(workdir / f"rank{r}.log").read_text() for r in range(world)], elapsed
+    raise AssertionError("unreachable")
 
 
 def assert_same_steps(expected: list[dict[str, float]], got: list[dict[str, float]], abs_tol: float = 1e-6) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import re
 import select
-import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_port
 
 from lit_grpo.environments.openenv import (
     INSTALL_HINT,
@@ -38,8 +39,10 @@ def server_url() -> Iterator[str]:
 
 def serve(max_sessions: int) -> Iterator[str]:
     """The test server with room for ``max_sessions`` sessions, running until the generator is closed."""
+    # the server's log goes to a file, not a pipe: a pipe nobody reads fills up and then blocks the server
+    log_file = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, str(SERVER), str(max_sessions)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=log_file, text=True)
     try:
         # imported while the server starts (both take seconds): skipped, with the reason, without the extra
         pytest.importorskip("openenv.core.generic_client", reason='needs openenv-core: pip install "lit_grpo[openenv]"')
@@ -47,7 +50,8 @@ def serve(max_sessions: int) -> Iterator[str]:
         url = None
         while url is None:
             if proc.poll() is not None:
-                log = proc.stderr.read()[-2000:]
+                log_file.seek(0)
+                log = log_file.read()[-2000:]
                 raise RuntimeError(f"the OpenEnv test server exited with {proc.returncode}: {log}")
             if time.monotonic() > deadline:
                 raise RuntimeError("the OpenEnv test server did not start within 60 s")
@@ -58,16 +62,11 @@ def serve(max_sessions: int) -> Iterator[str]:
     finally:
         proc.kill()
         proc.wait()
+        log_file.close()
 
 
 def loop_threads() -> int:
     return sum(t.name == LOOP_THREAD and t.is_alive() for t in threading.enumerate())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def play(env: OpenEnvEnvironment, guesses: list[str]) -> tuple[str, list[StepResult]]:
@@ -213,7 +212,7 @@ def test_close_frees_the_servers_session_and_the_clients_thread(server_url):
     with pytest.raises(RuntimeError, match="is closed"):
         envs[0].step("1")
     # the freed session is reused; the server drops it once its WebSocket closes, which may take a moment
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while True:
         again = OpenEnvFactory(base_url=server_url, connect_timeout_s=30.0)({"seed": 3})
         try:

