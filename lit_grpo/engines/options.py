@@ -20,6 +20,13 @@ SAMPLER_AUTOCAST: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16"}
 #: ``ServerOptions.kept_weights_device``'s values
 KEPT_WEIGHTS_DEVICES = ("trainer", "cpu")
 
+
+def check_max_num_seqs(value: object) -> None:
+    """Refuse a ``max_num_seqs`` that is neither ``None`` nor an integer >= 1, in one line."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"max_num_seqs must be an integer >= 1 (sequences decoding at once) or null, got {value!r}")
+
+
 @dataclass(frozen=True)
 class TransformersOptions:
     """``data.engine: transformers``: a private copy of the policy in the trainer's process
@@ -39,6 +46,9 @@ class TransformersOptions:
             (mu) then come from a lower-precision pass than alpha's and pi's: on a CPU, the stand-in for a bf16 vLLM
             against an fp32 trainer. It takes the dynamic decoding path (``decode: static`` is refused: that path
             samples outside any autocast). ``null`` (default): sample in the trainer's precision.
+        max_num_seqs: on the dynamic path, at most this many sequences decode at once; a finished sequence's slot
+            takes the next waiting one (continuous batching). ``null`` (default): all of a step's sequences start at
+            once. Finished sequences leave the running batch either way.
     """
 
     rescore: bool = True
@@ -46,8 +56,10 @@ class TransformersOptions:
     compile: bool = True
     width_multiple: int = 64
     sampler_autocast: Literal["bf16", "fp16"] | None = None
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
+        check_max_num_seqs(self.max_num_seqs)
         if self.sampler_autocast is not None and (not isinstance(self.sampler_autocast, str)
                                                   or self.sampler_autocast not in SAMPLER_AUTOCAST):
             raise ValueError(f"sampler_autocast must be one of {sorted(SAMPLER_AUTOCAST)} or null, "

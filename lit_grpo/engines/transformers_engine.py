@@ -19,8 +19,16 @@ from lit_grpo.core.cache_argument import cache_kwarg, output_cache
 from lit_grpo.core.distributed import is_sharded
 from lit_grpo.core.scoring import layout_logprobs, positions_from_mask
 from lit_grpo.engines.base import AdapterUpdate, Completion, RolloutEngine, SamplingConfig, ScoringLayout
+from lit_grpo.engines.continuous_batching import (
+    first_used_column,
+    left_pad_rows,
+    rebuild_cache,
+    rebuild_due,
+    rebuildable,
+    sample_with_uniforms,
+)
 from lit_grpo.engines.kv_cache import preallocate
-from lit_grpo.engines.options import SAMPLER_AUTOCAST
+from lit_grpo.engines.options import SAMPLER_AUTOCAST, check_max_num_seqs
 from lit_grpo.engines.static_decoding import StaticDecoder
 from lit_grpo.math.logprobs import selective_log_softmax
 from lit_grpo.models.copies import materialize, skeleton_copy
@@ -77,6 +85,12 @@ class TransformersEngine(RolloutEngine):
     sampler's log-probs (mu) come from a lower-precision pass, while ``score`` (alpha's recompute) stays in the
     caller's precision: the CPU stand-in for a bf16 vLLM sampling for an fp32 trainer. It takes the dynamic path
     (``auto`` does; ``static`` is refused), since the static path samples outside any autocast.
+
+    The dynamic path frees finished slots: a row that ended leaves the running batch (its KV cache rows, mask and
+    position) once enough rows ended to pay for the copy, so a decode step costs what the running rows cost.
+    ``max_num_seqs`` (vLLM's name) caps the rows decoding at once: a freed slot takes the next waiting sequence,
+    its prompt prefilled and its cache merged into the running one (continuous batching). ``None`` (default): every
+    row starts at once. The static path is unchanged.
     """
 
     def __init__(
@@ -90,7 +104,9 @@ class TransformersEngine(RolloutEngine):
         compile: bool = True,
         width_multiple: int = 64,
         sampler_autocast: str | None = None,
+        max_num_seqs: int | None = None,
     ) -> None:
+        check_max_num_seqs(max_num_seqs)
         if decode not in DECODE_MODES:
             raise ValueError(f"unknown decode {decode!r}; expected one of {DECODE_MODES}")
         if sampler_autocast is not None and (not isinstance(sampler_autocast, str)
@@ -102,6 +118,8 @@ class TransformersEngine(RolloutEngine):
                              "samples outside autocast); expected decode 'auto' or 'dynamic', got 'static'")
         #: the autocast dtype sampling runs under (``None``: the caller's precision); ``score`` never takes it
         self.sampler_autocast = sampler_autocast
+        #: at most this many sequences decode at once on the dynamic path (``None``: every row of a request)
+        self.max_num_seqs = max_num_seqs
         self.decode = decode
         self.static_decoder = StaticDecoder(compile=compile, width_multiple=width_multiple)
         self.owns_weights = copy_weights
@@ -232,60 +250,118 @@ class TransformersEngine(RolloutEngine):
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int,
         all_finished: Callable[[bool], bool] | None,
     ) -> list[list[Completion]]:
+        """Dynamic decoding that frees finished slots. Row ``p * n + j`` is prompt ``p``'s ``j``-th completion; rows
+        are admitted in that order, at most ``max_num_seqs`` decoding at once (all of them when ``None``), each
+        admission prefilling its prompts once for their rows. Rows that finished (an EOS, or ``max_new_tokens``)
+        leave the running batch when a rebuild is due (``continuous_batching.rebuild_due``), and waiting rows take
+        their slots: their prompt caches are merged into the running cache, left-padded to its width.
+
+        Randomness: one uniform per row and token position is drawn up front from a generator seeded with ``seed``,
+        and each token inverts its row's distribution at its uniform (``sample_with_uniforms``). The same seed and
+        prompts therefore give the same completions, and a row's tokens do not depend on the batch it decoded in
+        (``max_num_seqs``, when rows finished): only on floating-point differences of batched kernels. The stream
+        differs from the one before rows were freed (one ``torch.multinomial`` over the whole batch per step): the
+        same distribution, other draws.
+
+        ``all_finished(local_done)`` is called once per decode step as before (not after the step that reaches
+        ``max_new_tokens`` when every row started together), so ranks that decode in lockstep run the same number
+        of forwards; a rank whose rows all finished keeps one of them to run its forwards. A sharded model (whose
+        forwards are collectives) admits every row at once, since admissions would add forwards on one rank only.
+        """
         _check_request(prompts, n)
         self.model.eval()
         device = self.device
+        max_new = sampling.max_new_tokens
+        total = len(prompts) * n
+        cap = total if self.max_num_seqs is None or is_sharded(self.model) else min(self.max_num_seqs, total)
+        all_at_once = cap == total
         generator = torch.Generator(device=device).manual_seed(int(seed))
-        ids, mask = left_pad(prompts, self.pad_token_id, device)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=True, logits_to_keep=1
-        )
-        expand = torch.arange(len(prompts), device=device).repeat_interleave(n)
-        cache = output_cache(out)
-        cache.batch_select_indices(expand)
+        uniforms = torch.rand(total, max_new, generator=generator, device=device, dtype=torch.float64)
         cache_name = cache_kwarg(self.model)
-        preallocate(cache, sampling.max_new_tokens)  # written in place: no copy of the whole cache per token
-        logits = out.logits[:, -1][expand]
-        attention = mask[expand]
-        rows = expand.numel()
         eos = torch.tensor(self.eos_token_ids, device=device)
-        finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        lengths = torch.zeros(rows, dtype=torch.long, device=device)
-        tokens, logps = [], []
-        for _ in range(sampling.max_new_tokens):
+        # per row, over the whole request; column max_new is scratch, written by rows that already finished
+        out_tokens = torch.full((total, max_new + 1), self.pad_token_id, dtype=torch.long, device=device)
+        out_logps = torch.zeros(total, max_new + 1, device=device)
+        lengths = torch.zeros(total, dtype=torch.long, device=device)
+        ended = torch.zeros(total, dtype=torch.bool, device=device)
+
+        def prefill(first: int, count: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+            """The cache, attention mask and last logits of rows ``first .. first + count - 1``, one row each (their
+            prompts prefilled once)."""
+            lo, hi = first // n, (first + count - 1) // n
+            ids, mask = left_pad(prompts[lo: hi + 1], self.pad_token_id, device)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
+                             use_cache=True, logits_to_keep=1)
+            expand = torch.arange(first, first + count, device=device) // n - lo
+            cache = output_cache(out)
+            cache.batch_select_indices(expand)
+            return cache, mask[expand], out.logits[:, -1][expand]
+
+        cache, attention, logits = prefill(0, cap)
+        preallocate(cache, max_new)  # written in place: no copy of the whole cache per token
+        if not all_at_once and not rebuildable(cache):
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} needs a KV cache of plain dynamic layers; this "
+                             f"model's has {sorted({type(layer).__name__ for layer in cache.layers})}; "
+                             "expected max_num_seqs null")
+        can_rebuild = rebuildable(cache)
+        rows = torch.arange(cap, device=device)  # the running rows' ids
+        admitted = cap
+        finished = torch.zeros(cap, dtype=torch.bool, device=device)
+        counts = torch.zeros(cap, dtype=torch.long, device=device)
+        steps = 0
+        while True:
             scaled = logits.float() / sampling.temperature
             probs = torch.softmax(top_p_filter(scaled, sampling.top_p), dim=-1)
-            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-            sampled = torch.where(finished, torch.full_like(sampled, self.pad_token_id), sampled)
-            tokens.append(sampled)
-            logps.append(selective_log_softmax(scaled, sampled))
-            lengths += (~finished).long()
-            finished = finished | torch.isin(sampled, eos)
-            if len(tokens) == sampling.max_new_tokens:
+            draws = uniforms[rows, counts.clamp(max=max_new - 1)]
+            sampled = torch.where(finished, self.pad_token_id, sample_with_uniforms(probs, draws))
+            column = torch.where(finished, max_new, counts)
+            out_tokens[rows, column] = sampled
+            out_logps[rows, column] = selective_log_softmax(scaled, sampled)
+            live = ~finished
+            counts = counts + live.long()
+            hit = live & torch.isin(sampled, eos)
+            finished = finished | hit | (counts >= max_new)
+            lengths[rows] = counts
+            ended[rows] |= hit
+            steps += 1
+            done_rows, waiting = int(finished.sum()), total - admitted
+            done = done_rows == rows.numel() and waiting == 0
+            if all_at_once and steps == max_new:
                 break
-            done = bool(finished.all())
             if all_finished(done) if all_finished is not None else done:
                 break
-            attention = torch.cat([attention, (~finished).long().unsqueeze(-1)], dim=1)
-            logits = self.model(
-                input_ids=sampled.unsqueeze(-1),
-                attention_mask=attention,
-                position_ids=(attention.sum(-1, keepdim=True) - 1).clamp(min=0),
-                use_cache=True,
-                **{cache_name: cache},
-            ).logits[:, -1]
-        token_rows = torch.stack(tokens, dim=1).tolist()
-        logp_rows = torch.stack(logps, dim=1).tolist()
-        ended = finished.tolist()
-        results: list[list[Completion]] = []
-        for p in range(len(prompts)):
-            group = []
-            for j in range(n):
-                r = p * n + j
-                length = int(lengths[r])
-                group.append(Completion(token_rows[r][:length], logp_rows[r][:length], truncated=not ended[r]))
-            results.append(group)
-        return results
+            # no forward for a batch whose rows all finished and leave for waiting ones
+            if done_rows < rows.numel() or waiting == 0:
+                attention = torch.cat([attention, (~finished).long().unsqueeze(-1)], dim=1)
+                logits = self.model(
+                    input_ids=sampled.unsqueeze(-1),
+                    attention_mask=attention,
+                    position_ids=(attention.sum(-1, keepdim=True) - 1).clamp(min=0),
+                    use_cache=True,
+                    **{cache_name: cache},
+                ).logits[:, -1]
+            if can_rebuild and rebuild_due(done_rows, rows.numel(), waiting):
+                keep = (~finished).nonzero().squeeze(-1)
+                admit = min(cap - keep.numel(), waiting)
+                if keep.numel() == 0 and admit == 0:
+                    keep = keep.new_zeros(1)  # a finished row still runs the forwards the other ranks run
+                start = first_used_column(attention[keep])
+                new_cache = new_attention = new_logits = None
+                if admit:
+                    new_cache, new_attention, new_logits = prefill(admitted, admit)
+                rebuild_cache(cache, keep, start, new_cache, room=max_new)
+                parts = [attention[keep, start:]] + ([new_attention] if admit else [])
+                attention = left_pad_rows(parts, dim=1)
+                logits = torch.cat([logits[keep]] + ([new_logits] if admit else []))
+                rows = torch.cat([rows[keep], torch.arange(admitted, admitted + admit, device=device)])
+                finished = torch.cat([finished[keep], finished.new_zeros(admit)])
+                counts = torch.cat([counts[keep], counts.new_zeros(admit)])
+                admitted += admit
+        token_rows, logp_rows = out_tokens.tolist(), out_logps.tolist()
+        length_rows, ended_rows = lengths.tolist(), ended.tolist()
+        return [[Completion(token_rows[r][: length_rows[r]], logp_rows[r][: length_rows[r]],
+                            truncated=not ended_rows[r]) for r in range(p * n, (p + 1) * n)]
+                for p in range(len(prompts))]
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
