@@ -29,7 +29,7 @@ KEYS = ("train/loss", "train/kl", "rollout/reward_mean", "rollout/reward_std", "
         "rollout/generated_tokens", "train/staleness", "train/ratio_first_iteration_min",
         "train/ratio_first_iteration_max", "train/ratio_mean", "train/clip_low_fraction", "train/entropy",
         "train/grad_norm", "train/update_flops", "rollout/staleness_mean", "rollout/staleness_max",
-        "rollout/mixed_versions", "rollout/producer_waits", "train/reference_served")
+        "rollout/mixed_versions", "rollout/producer_waits", "train/reference_served", "train/padded_fraction")
 #: gradient reductions this process made in the current job (DDP comm-hook calls, FSDP2 reduce-scatters)
 REDUCTIONS = {"count": 0}
 

@@ -23,11 +23,13 @@ RESUME = dict(v=2, swap_every=4, module=dict(beta=0.1, lr=1e-2), data=dict(promp
 
 
 def equality_job(mask: bool, aggregation: str, per_rank_prompts: int, weights_out: str, strategy: str,
-                 micro_batch_size: int = 4) -> dict:
+                 micro_batch_size: int = 4, micro_batch_tokens: int | None = None) -> dict:
     # beta > 0 with a reference swap-free run: the KL term and the reference's (sharded) forward take part
+    data = dict(prompts_per_step=per_rank_prompts, micro_batch_size=micro_batch_size)
+    if micro_batch_tokens is not None:
+        data["micro_batch_tokens"] = micro_batch_tokens
     return dict(strategy=strategy, scripted=True, max_steps=2, weights_out=weights_out, count_reductions=True,
-                data=dict(prompts_per_step=per_rank_prompts, micro_batch_size=micro_batch_size),
-                module=dict(mask_zero_variance=mask, loss_aggregation=aggregation, beta=0.1, lr=1e-3))
+                data=data, module=dict(mask_zero_variance=mask, loss_aggregation=aggregation, beta=0.1, lr=1e-3))
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,11 @@ def two_ranks(tmp_path_factory):
         for mask, agg, size in MICRO_BATCH_CASES:
             index[(strategy, "micro", mask, agg, size)] = len(jobs)
             jobs.append(equality_job(mask, agg, 1, str(root / f"{strategy}-{mask}-{agg}-mb{size}.pt"), strategy, size))
+        # token-budget micro-batches: at 200 tokens the rank with the short prompt (140 tokens) needs 1, the one
+        # with the long prompt (331) 4, so under FSDP2 the first cuts its rows into 4 too
+        index[(strategy, "tokens")] = len(jobs)
+        jobs.append(equality_job(True, "token_mean", 1, str(root / f"{strategy}-tokens.pt"), strategy,
+                                 micro_batch_tokens=200))
         index[(strategy, "v1")] = len(jobs)
         jobs.append(dict(strategy=strategy, v=1, max_steps=3, data=dict(prompts_per_step=1,
                                                                         reuse_policy_logprobs=False)))
@@ -60,9 +67,10 @@ def two_ranks(tmp_path_factory):
 
 
 def assert_two_ranks_equal_one_rank(two: dict, weights_file, mask: bool, aggregation: str, tmp_path,
-                                    micro_batch_size: int) -> None:
+                                    micro_batch_size: int, same_cut: bool = True) -> None:
     """The 2-rank fit (one prompt a rank) against one process with both prompts, same micro-batch size: the same
-    updated weights (1e-5) and the same logged metrics."""
+    updated weights (1e-5) and the same logged metrics (and the same FLOPs where the micro-batches are cut alike:
+    a prompt shared by two micro-batches is computed twice)."""
     single = tmp_path / "single.pt"
     one = run_job(equality_job(mask, aggregation, 2, str(single), "single", micro_batch_size), str(tmp_path))
     expected, got = torch.load(single), torch.load(weights_file)
@@ -79,7 +87,8 @@ def assert_two_ranks_equal_one_rank(two: dict, weights_file, mask: bool, aggrega
                     "rollout/generated_tokens", "train/ratio_mean", "train/entropy", "train/grad_norm"):
             assert b[key] == pytest.approx(a[key], abs=1e-6), key
         # the model FLOPs count the whole model on every rank (N of the unsharded policy, also under FSDP2)
-        assert b["train/update_flops"] == pytest.approx(a["train/update_flops"], rel=1e-12)
+        if same_cut:
+            assert b["train/update_flops"] == pytest.approx(a["train/update_flops"], rel=1e-12)
     assert two["parameters"] == one["parameters"]
     # the batches mixed groups with and without spread, so the eq. 8 mask had something to do
     assert any(0 < s["rollout/frac_zero_variance"] < 1 for s in one["steps"])
@@ -102,6 +111,19 @@ def test_several_micro_batches_per_rank_equal_one_rank(two_ranks, tmp_path, stra
     two = ranks[0][index[(strategy, "micro", mask, aggregation, micro_batch_size)]]
     weights = root / f"{strategy}-{mask}-{aggregation}-mb{micro_batch_size}.pt"
     assert_two_ranks_equal_one_rank(two, weights, mask, aggregation, tmp_path, micro_batch_size)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_token_budget_micro_batches_on_two_ranks_equal_row_slicing_in_one(two_ranks, tmp_path, strategy):
+    """Token-budget micro-batches on 2 ranks (under FSDP2 the ranks agree on how many) against today's row slicing
+    (micro-batches of 4) in one process: the same update and metrics."""
+    root, index, ranks = two_ranks
+    two = ranks[0][index[(strategy, "tokens")]]
+    assert_two_ranks_equal_one_rank(two, root / f"{strategy}-tokens.pt", True, "token_mean", tmp_path, 4,
+                                    same_cut=False)
+    single = run_job(equality_job(True, "token_mean", 2, str(tmp_path / "rows.pt"), "single"), str(tmp_path / "r"))
+    assert all(t["train/padded_fraction"] <= s["train/padded_fraction"]
+               for t, s in zip(two["steps"], single["steps"], strict=True))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lit_grpo.core.micro_batch_plan import plan_by_tokens, split_into
+
 
 @dataclass
 class MicroBatch:
@@ -27,7 +29,7 @@ class MicroBatch:
     prompt_index: torch.Tensor  # [s] row of prompt_ids for each completion
     completion_ids: torch.Tensor  # [s, C'] right-padded
     completion_mask: torch.Tensor  # [s, C'] every real token (attention)
-    rows: slice  # rows of the parent batch
+    rows: slice | torch.Tensor  # rows of the parent batch: a slice, or their indices (token-budget micro-batches)
     #: [s, C'] the model's own tokens (the loss's mask): ``completion_mask`` except in multi-turn trajectories, where
     #: the environment's tokens are context with mask 0
     loss_mask: torch.Tensor | None = None
@@ -71,6 +73,8 @@ class RolloutBatch:
     reference_offloaded: bool = False
     group_size: int = 1
     micro_batch_size: int = 8
+    #: micro-batches cut by padded tokens instead of rows (``lit_grpo.core.micro_batch_plan``); None: by rows
+    micro_batch_tokens: int | None = None
     batch_index: int = 0  # position in the prompt stream (for resume)
     rollout_step: int = 0  # optimizer step whose policy weights the engine held when sampling
     advantage_eps: float = 1e-4  # how the advantages were whitened (eq. 2), for losses that recompute them
@@ -89,11 +93,13 @@ class RolloutBatch:
     def num_sequences(self) -> int:
         return int(self.completion_ids.shape[0])
 
-    def micro_batches(self) -> Iterator[MicroBatch]:
-        """Slices of ``micro_batch_size`` completions, in order; the same slicing everywhere keeps scoring by
-        the rollout engine and by the policy bit-for-bit comparable."""
+    def micro_batches(self, parts: int | None = None) -> Iterator[MicroBatch]:
+        """Slices of ``micro_batch_size`` completions, in order, or with ``micro_batch_tokens`` the token-budget
+        micro-batches (``parts`` of them when given: what sharded ranks agree on); the same cut everywhere keeps
+        scoring by the rollout engine and by the policy bit-for-bit comparable."""
         return micro_batch_views(self.prompt_ids, self.prompt_mask, self.group_index, self.completion_ids,
-                                 self.completion_mask, self.micro_batch_size, self.loss_mask)
+                                 self.completion_mask, self.micro_batch_size, self.loss_mask,
+                                 self.micro_batch_tokens, parts)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,14 +117,22 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
 
 def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor,
                       completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                      micro_batch_size: int, loss_mask: torch.Tensor | None = None) -> Iterator[MicroBatch]:
-    """The micro-batches of a padded rollout layout (``RolloutBatch.micro_batches``): contiguous slices of
-    ``micro_batch_size`` completions with the distinct prompts they need, each trimmed of the padding no row of
-    it uses. A rollout server scoring pi_ref gets exactly these slices, so its numbers line up with the
-    trainer's."""
+                      micro_batch_size: int, loss_mask: torch.Tensor | None = None,
+                      micro_batch_tokens: int | None = None, parts: int | None = None) -> Iterator[MicroBatch]:
+    """The micro-batches of a padded rollout layout (``RolloutBatch.micro_batches``), each with the distinct
+    prompts it needs and trimmed of the padding no row of it uses: contiguous slices of ``micro_batch_size``
+    completions, or with ``micro_batch_tokens`` the rows sorted by length and cut by that budget of padded tokens
+    (exactly ``parts`` micro-batches when given; ``lit_grpo.core.micro_batch_plan``). A rollout server scoring
+    pi_ref gets exactly these micro-batches, so its numbers line up with the trainer's."""
     num_sequences = int(completion_ids.shape[0])
-    for start in range(0, num_sequences, micro_batch_size):
-        rows = slice(start, min(start + micro_batch_size, num_sequences))
+    if micro_batch_tokens is None:
+        selections: list[slice | torch.Tensor] = [slice(start, min(start + micro_batch_size, num_sequences))
+                                                  for start in range(0, num_sequences, micro_batch_size)]
+    else:
+        selections = [torch.tensor(rows, dtype=torch.long, device=completion_ids.device)
+                      for rows in token_budget_rows(prompt_mask, group_index, completion_mask, micro_batch_tokens,
+                                                    parts)]
+    for rows in selections:
         groups = group_index[rows]
         unique, inverse = torch.unique(groups, sorted=True, return_inverse=True)
         p_mask = prompt_mask[unique]
@@ -136,3 +150,25 @@ def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group
             rows=rows,
             loss_mask=None if loss_mask is None else loss_mask[rows][:, :width],
         )
+
+
+def token_budget_rows(prompt_mask: torch.Tensor, group_index: torch.Tensor, completion_mask: torch.Tensor,
+                      budget: int, parts: int | None = None) -> list[list[int]]:
+    """The rows of each token-budget micro-batch of a padded layout (``plan_by_tokens``, or ``split_into`` for
+    ``parts`` micro-batches), from its real lengths."""
+    completion_lengths = completion_mask.sum(1).tolist()
+    groups = group_index.tolist()
+    prompt_lengths = prompt_mask.sum(1)[group_index].tolist()
+    if parts is None:
+        return plan_by_tokens(completion_lengths, prompt_lengths, groups, budget)
+    return split_into(completion_lengths, prompt_lengths, groups, parts)
+
+
+def padding_tokens(micro_batches: list[MicroBatch]) -> torch.Tensor:
+    """``(padded tokens, tokens computed)`` of the forwards over ``micro_batches``, each its distinct prompts'
+    ``[u, P']`` block and its completions' ``[s, C']`` block, as a float64 ``[2]`` tensor on the masks' device
+    (summed without a host sync); their ratio is the share of the work spent on padding."""
+    computed = sum(mb.prompt_mask.numel() + mb.completion_mask.numel() for mb in micro_batches)
+    real = torch.stack([mb.prompt_mask.sum() + mb.completion_mask.sum() for mb in micro_batches]).sum()
+    total = torch.tensor(float(computed), dtype=torch.float64, device=real.device)
+    return torch.stack([total - real.to(torch.float64), total])

@@ -116,6 +116,11 @@ class RolloutDataModule(L.LightningDataModule):
             ``prompts_per_step * world_size`` prompts, each rank on its own share with its own sampling seed.
         num_generations: G, completions per prompt (>= 2: a group needs a spread to whiten).
         micro_batch_size: completions per forward/backward pass.
+        micro_batch_tokens: cut the forward/backward passes by tokens instead (``micro_batch_size`` is then
+            unused): the completions sorted by length, each pass at most this many tokens, padding included
+            (rows x longest completion + distinct prompts x longest prompt; a longer single completion gets a pass
+            of its own). On uneven lengths the update then pays for the tokens, not for each pass's longest row
+            (``train/padded_fraction``). None (default): ``micro_batch_size`` rows per pass, in order.
         max_new_tokens, temperature, top_p: sampling (log-probs use ``logits / temperature``). The one source of
             the sampling settings: a LightningModule with a ``temperature`` of its own (``GRPOModule``'s, which the
             CLI links to this one) must have this one when the fit starts, else the fit is refused.
@@ -191,6 +196,7 @@ class RolloutDataModule(L.LightningDataModule):
         prompts_per_step: int = 2,
         num_generations: int = 8,
         micro_batch_size: int = 8,
+        micro_batch_tokens: int | None = None,
         max_new_tokens: int = 200,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -238,6 +244,9 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if micro_batch_tokens is not None and (isinstance(micro_batch_tokens, bool)
+                                               or not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1):
+            raise ValueError(f"micro_batch_tokens must be an integer >= 1 or None, got {micro_batch_tokens!r}")
         if advantage_eps <= 0:
             raise ValueError(f"advantage_eps must be > 0 (inside the square root of eq. 2), got {advantage_eps}")
         if max_prompts is not None and max_prompts < 1:
@@ -285,6 +294,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.prompts_per_step = prompts_per_step
         self.num_generations = num_generations
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.advantage_eps = advantage_eps
         self.scale_rewards = scale_rewards
         self.system_prompt = system_prompt
@@ -375,7 +385,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.server_reference = ServerReference(
                 engine, pad_token_id(self.tokenizer), self.micro_batch_size,
                 float(module.hparams.get("temperature", self.sampling.temperature)),
-                MIXED_AUTOCAST.get(str(self.trainer.precision)))
+                MIXED_AUTOCAST.get(str(self.trainer.precision)), self.micro_batch_tokens)
         if self.max_staleness and isinstance(engine, RemoteEngine):
             # every weight push first waits for the batches already requested (on every rank, then a barrier in
             # the push): no batch handed over under the old weights is sampled with the new ones
@@ -655,7 +665,7 @@ class RolloutDataModule(L.LightningDataModule):
                  **({**trajectory_stats(groups), "env_errors": float(self.env_errors)} if self.is_multi_turn else {}),
                  **stats}
         padded = pad_rollouts(prompts, groups, pad_token_id(self.tokenizer), self.micro_batch_size,
-                              self.module_device())
+                              self.module_device(), self.micro_batch_tokens)
         # a server engine's kept copy of the pushed weights (keep_pushed_weights) recomputes alpha on the trainer, in
         # its forward precision as the in-process engine does; the copy's memory and times go with the batch
         kept = getattr(self.rollout_engine, "kept_weights", None) is not None

@@ -34,14 +34,16 @@ class PaddedRollouts:
     micro_batch_size: int
     #: [S, C] the model's tokens of multi-turn trajectories (``RolloutBatch.loss_mask``); None: single-turn
     loss_mask: torch.Tensor | None = None
+    #: micro-batches cut by padded tokens (``RolloutBatch.micro_batch_tokens``); None: by ``micro_batch_size`` rows
+    micro_batch_tokens: int | None = None
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         return micro_batch_views(self.prompt_ids, self.prompt_mask, self.group_index, self.completion_ids,
-                                 self.completion_mask, self.micro_batch_size, self.loss_mask)
+                                 self.completion_mask, self.micro_batch_size, self.loss_mask, self.micro_batch_tokens)
 
 
 def pad_rollouts(prompts: list[list[int]], groups: list[list[Completion]], pad_token_id: int, micro_batch_size: int,
-                 device: torch.device | str = "cpu") -> PaddedRollouts:
+                 device: torch.device | str = "cpu", micro_batch_tokens: int | None = None) -> PaddedRollouts:
     """Pad prompts (left) and completions (right). Every group must have the same size G. Multi-turn trajectories
     (``Completion.mask``) also get the loss mask of the model's tokens."""
     group_size = len(groups[0])
@@ -73,6 +75,7 @@ def pad_rollouts(prompts: list[list[int]], groups: list[list[Completion]], pad_t
         group_size=group_size,
         micro_batch_size=micro_batch_size,
         loss_mask=None if loss_mask is None else loss_mask.to(device),
+        micro_batch_tokens=micro_batch_tokens,
     )
 
 
@@ -123,6 +126,7 @@ def collate_rollouts(padded: PaddedRollouts, rewards: list[float], advantage_eps
         reference_offloaded=origin.reference_offloaded,
         group_size=group_size,
         micro_batch_size=padded.micro_batch_size,
+        micro_batch_tokens=padded.micro_batch_tokens,
         batch_index=origin.batch_index,
         rollout_step=origin.rollout_step,
         advantage_eps=advantage_eps,

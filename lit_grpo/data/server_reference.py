@@ -21,13 +21,15 @@ class ServerReference:
     micro_batch_size: int
     temperature: float
     autocast: str | None = None
+    micro_batch_tokens: int | None = None
 
     def __call__(self, prompts: list[list[int]], rollouts: Rollouts) -> Rollouts:
         """``rollouts`` with pi_ref's log-probs (``Rollouts.reference``) when the server holds a copy of pi_ref; a
         failed request becomes the rollouts' error, so every rank stops together (``check_lockstep``)."""
         if rollouts.error is not None or self.engine.reference_version is None:
             return rollouts
-        padded = pad_rollouts(prompts, rollouts.groups, self.pad_token_id, self.micro_batch_size)
+        padded = pad_rollouts(prompts, rollouts.groups, self.pad_token_id, self.micro_batch_size,
+                              micro_batch_tokens=self.micro_batch_tokens)
         start = time.perf_counter()
         try:
             reference = self.engine.score_reference(list(padded.micro_batches()), *padded.completion_ids.shape,

@@ -17,9 +17,10 @@ import lightning as L
 import numpy as np
 import torch
 
-from lit_grpo.core.batch import MicroBatch, RolloutBatch
+from lit_grpo.core.batch import MicroBatch, RolloutBatch, padding_tokens
 from lit_grpo.core.distributed import (
     all_gather_objects,
+    all_reduce,
     clip_grad_norm,
     everyone,
     fsdp1_wrap_model,
@@ -379,7 +380,7 @@ class GRPOModule(L.LightningModule):
         shape_batch = self.policy_loss.shape_batch
         batch, keep = shape_batch(batch, rank_and_world()[0]) if shape_batch is not None else (batch, None)
         weights = self.loss_weights(batch, keep)
-        micro_batches = list(batch.micro_batches())
+        micro_batches = self.micro_batches(batch)
         self._micro_batches_per_step = len(micro_batches)
         ref_logps = self.reference_logprobs(batch, micro_batches)
         pik_logps: list[torch.Tensor | None] = [None] * len(micro_batches)
@@ -404,10 +405,22 @@ class GRPOModule(L.LightningModule):
             iteration_stats[-1]["tv_pi_alpha_sum"] = self.tv_after_update(batch, micro_batches, pik_logps)
         iteration_stats[0]["processed_tokens"] = torch.stack(
             [processed_tokens(mb.prompt_mask, mb.completion_mask) for mb in micro_batches]).sum()
+        iteration_stats[0]["padded_tokens"], iteration_stats[0]["computed_tokens"] = padding_tokens(micro_batches)
         wait_for_device(self.device)  # the clock must hold the work still queued on an accelerator
         update_seconds = time.perf_counter() - start
         self.log_step(batch, iteration_stats, grad_norms, staleness, update_seconds)
         return torch.stack([stats["loss"] for stats in iteration_stats]).mean()
+
+    def micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
+        """The batch's micro-batches. Token-budget ones (``data.micro_batch_tokens``) differ in number from rank to
+        rank; every forward of a sharded (FSDP) model is a collective, so the ranks then agree on the largest number
+        any of them needs and each cuts its rows into that many."""
+        micro_batches = list(batch.micro_batches())
+        if batch.micro_batch_tokens is None or rank_and_world()[1] == 1:
+            return micro_batches
+        count = torch.tensor(len(micro_batches), dtype=torch.long, device=self.device)
+        parts = int(all_reduce(count, "max"))
+        return micro_batches if parts == len(micro_batches) else list(batch.micro_batches(parts))
 
     def update_entropy_coefficient(self, totals: dict[str, torch.Tensor]) -> None:
         """TRL's adaptive entropy control after an optimizer step: the step's mean entropy over every rank's

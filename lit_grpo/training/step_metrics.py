@@ -132,6 +132,9 @@ def step_metrics(reduced: Mapping[str, torch.Tensor], iterations: int, optimizer
         "train/lr": lr,
         **grad_norm_metrics([values[grad_norm_key(i)] for i in range(optimizer_steps)]),
         **flops_metrics(first("processed_tokens"), iterations, update_seconds, cost),
+        # the share of the update's forwards spent on padding (data.micro_batch_tokens lowers it)
+        "train/padded_fraction": values.get(iteration_key(0, "padded_tokens"), 0.0) / max(
+            values.get(iteration_key(0, "computed_tokens"), 0.0), 1.0),
         # Theorem 1: the two TV terms, per sampled token (sigma_alpha is rollout/reward_std)
         "tv/pik_alpha": first("tv_pik_alpha_sum") / tv_tokens,
         "tv/pi_alpha": values[iteration_key(iterations - 1, "tv_pi_alpha_sum")] / tv_tokens,

@@ -1,0 +1,184 @@
+"""Token-budget micro-batches (``data.micro_batch_tokens``): the plan is the best contiguous cut of the length-sorted
+rows (checked by brute force), the views cover every row once with its own data, padding falls on uneven
+lengths, and the update is the one of today's row slicing."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from dist_worker import run_job
+from test_multiprocess import equality_job
+
+from lit_grpo.core.batch import micro_batch_views, padding_tokens
+from lit_grpo.core.micro_batch_plan import length_order, padded_tokens, plan_by_tokens, split_into
+
+
+def random_rows(seed: int, rows: int) -> tuple[list[int], list[int], list[int]]:
+    rng = random.Random(seed)
+    groups = sorted(rng.randrange(3) for _ in range(rows))
+    prompt_of_group = {g: rng.randint(1, 9) for g in set(groups)}
+    return [rng.randint(1, 30) for _ in range(rows)], [prompt_of_group[g] for g in groups], groups
+
+
+def cost(rows: list[int], c: list[int], p: list[int], g: list[int]) -> int:
+    return padded_tokens([c[r] for r in rows], [p[r] for r in rows], [g[r] for r in rows])
+
+
+def contiguous_cuts(order: list[int]):
+    """Every cut of ``order`` into contiguous non-empty runs."""
+    for mask in itertools.product((False, True), repeat=len(order) - 1):
+        runs, current = [], [order[0]]
+        for row, cut in zip(order[1:], mask):
+            if cut:
+                runs.append(current)
+                current = []
+            current.append(row)
+        yield runs + [current]
+
+
+def test_padded_tokens_counts_rows_times_longest_plus_prompts_times_longest_prompt():
+    # rows 5, 2, 3 of prompts a (4 tokens), a, b (7 tokens): 3 rows x 5 + 2 prompts x 7
+    assert padded_tokens([5, 2, 3], [4, 4, 7], [0, 0, 1]) == 3 * 5 + 2 * 7
+    assert padded_tokens([], [], []) == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_is_the_fewest_contiguous_runs_within_the_budget(seed):
+    c, p, g = random_rows(seed, 8)
+    budget = random.Random(seed).randint(30, 120)
+    plan = plan_by_tokens(c, p, g, budget)
+    assert sorted(r for run in plan for r in run) == list(range(8))
+    assert all(run == sorted(run) for run in plan)
+    assert all(cost(run, c, p, g) <= budget or len(run) == 1 for run in plan)
+    order = length_order(c, g)
+    feasible = [cuts for cuts in contiguous_cuts(order)
+                if all(cost(run, c, p, g) <= budget or len(run) == 1 for run in cuts)]
+    assert len(plan) == min(len(cuts) for cuts in feasible)
+    # rows of one micro-batch are neighbours in the length order: the padding is what sorting leaves
+    position = {row: i for i, row in enumerate(order)}
+    for run in plan:
+        places = sorted(position[r] for r in run)
+        assert places == list(range(places[0], places[0] + len(run)))
+
+
+def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own():
+    plan = plan_by_tokens([50, 3, 2], [4, 4, 4], [0, 0, 0], budget=20)
+    assert plan[0] == [0] and sorted(r for run in plan for r in run) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("seed,parts", [(s, k) for s in range(4) for k in (1, 2, 3, 5, 8)])
+def test_split_into_gives_exactly_parts_with_the_smallest_largest_cost(seed, parts):
+    c, p, g = random_rows(seed, 8)
+    plan = split_into(c, p, g, parts)
+    assert len(plan) == parts and all(plan)
+    assert sorted(r for run in plan for r in run) == list(range(8))
+    best = min(max(cost(run, c, p, g) for run in cuts)
+               for cuts in contiguous_cuts(length_order(c, g)) if len(cuts) == parts)
+    assert max(cost(run, c, p, g) for run in plan) == best
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: plan_by_tokens([1], [1], [0], 0), r"micro-batch token budget must be >= 1, got 0"),
+    (lambda: split_into([1, 2], [1, 1], [0, 0], 3), r"cannot cut 2 completions into 3 micro-batches"),
+    (lambda: plan_by_tokens([1, 2], [1], [0, 0], 5), r"one completion length, prompt length and group per row"),
+])
+def test_bad_plans_are_refused_in_one_line(call, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        call()
+    assert "\n" not in str(raised.value)
+
+
+def uneven_layout(seed: int = 0, prompts: int = 3, group: int = 4):
+    """A padded layout of uneven completions (1..40 tokens) and prompts (2..9 tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lengths = torch.randint(2, 10, (prompts,), generator=gen)
+    width = int(prompt_lengths.max())
+    prompt_ids = torch.randint(3, 50, (prompts, width), generator=gen)
+    prompt_mask = (torch.arange(width) >= width - prompt_lengths.unsqueeze(1)).long()
+    lengths = torch.randint(1, 41, (prompts * group,), generator=gen)
+    completion_mask = (torch.arange(40) < lengths.unsqueeze(1)).long()
+    completion_ids = torch.randint(3, 50, (prompts * group, 40), generator=gen) * completion_mask
+    group_index = torch.arange(prompts).repeat_interleave(group)
+    return prompt_ids * prompt_mask, prompt_mask, group_index, completion_ids, completion_mask
+
+
+def test_token_budget_views_hold_every_row_once_with_its_own_tokens():
+    prompt_ids, prompt_mask, group_index, completion_ids, completion_mask = uneven_layout()
+    loss_mask = completion_mask.clone()
+    loss_mask[:, ::3] = 0
+    views = list(micro_batch_views(prompt_ids, prompt_mask, group_index, completion_ids, completion_mask, 4,
+                                   loss_mask, micro_batch_tokens=120))
+    rows = torch.cat([mb.rows for mb in views])
+    assert sorted(rows.tolist()) == list(range(12)) and len(views) > 1
+    for mb in views:
+        width = mb.completion_ids.shape[1]
+        assert width == int(completion_mask[mb.rows].sum(1).max())
+        assert torch.equal(mb.completion_ids, completion_ids[mb.rows][:, :width])
+        assert torch.equal(mb.loss_mask, loss_mask[mb.rows][:, :width])
+        # each row's prompt, with the micro-batch's own left padding trimmed
+        for i, row in enumerate(mb.rows.tolist()):
+            mine = mb.prompt_ids[mb.prompt_index[i]][mb.prompt_mask[mb.prompt_index[i]].bool()]
+            theirs = prompt_ids[group_index[row]][prompt_mask[group_index[row]].bool()]
+            assert torch.equal(mine, theirs)
+        assert torch.equal(mb.take(completion_mask.float()), completion_mask[mb.rows][:, :width].float())
+
+
+def test_sorting_by_length_pays_less_padding_than_slicing_in_order():
+    layout = uneven_layout(seed=3, prompts=4, group=8)
+    by_rows = list(micro_batch_views(*layout, 8))
+    by_tokens = list(micro_batch_views(*layout, 8, micro_batch_tokens=200))
+    padded_rows, total_rows = padding_tokens(by_rows).tolist()
+    padded_tokens_, total_tokens = padding_tokens(by_tokens).tolist()
+    assert padded_tokens_ / total_tokens < 0.5 * padded_rows / total_rows
+    # the completions' real tokens are the same either way (a prompt may be run by more micro-batches: mixing
+    # groups is the price of sorting, counted in the cost the budget bounds)
+    assert sum(int(mb.completion_mask.sum()) for mb in by_tokens) == sum(int(mb.completion_mask.sum())
+                                                                           for mb in by_rows)
+    assert padding_tokens(by_tokens)[0] == sum(mb.prompt_mask.numel() - mb.prompt_mask.sum()
+                                               + mb.completion_mask.numel() - mb.completion_mask.sum()
+                                               for mb in by_tokens)
+
+
+def test_forced_parts_are_what_the_ranks_agree_on():
+    layout = uneven_layout(seed=1)
+    own = list(micro_batch_views(*layout, 4, micro_batch_tokens=150))
+    more = list(micro_batch_views(*layout, 4, micro_batch_tokens=150, parts=len(own) + 2))
+    assert len(more) == len(own) + 2
+    assert sorted(torch.cat([mb.rows for mb in more]).tolist()) == list(range(12))
+
+
+# ---- the update is today's: one process here, two ranks in tests/test_multiprocess.py ----------------------
+
+@pytest.mark.parametrize("mask,aggregation", [(True, "token_mean"), (False, "seq_mean_token_mean"),
+                                               (True, "constant")])
+def test_token_budget_update_equals_row_slicing(tmp_path, mask, aggregation):
+    """Two steps of the same fit with today's micro-batches of 4 rows and with a token budget small enough to cut
+    another way: the same weights (1e-5, the suite's tolerance for 2 ranks against 1: AdamW's first steps move a
+    parameter by about lr whatever its gradient's size, so float noise in a tiny gradient shows) and the same logged loss, KL, ratios and gradient norm."""
+    rows = equality_job(mask, aggregation, 2, str(tmp_path / "rows.pt"), "single")
+    tokens = equality_job(mask, aggregation, 2, str(tmp_path / "tokens.pt"), "single", micro_batch_tokens=200)
+    a = run_job(rows, str(tmp_path / "a"))
+    b = run_job(tokens, str(tmp_path / "b"))
+    expected, got = torch.load(tmp_path / "rows.pt"), torch.load(tmp_path / "tokens.pt")
+    assert max((expected[k] - got[k]).abs().max().item() for k in expected) <= 1e-5
+    for x, y in zip(a["steps"], b["steps"], strict=True):
+        for key in ("train/loss", "train/kl", "train/ratio_mean", "train/entropy", "train/grad_norm",
+                    "train/clip_low_fraction", "rollout/reward_mean"):
+            assert y[key] == pytest.approx(x[key], abs=1e-6), key
+        assert y["train/padded_fraction"] <= x["train/padded_fraction"]
+    # prompts of 140 to 331 tokens: a budget of 200 puts a short prompt's group in one micro-batch and the rows of a
+    # long one each in its own, so the cut differs from 4 rows at a time and the padding of step 2 goes
+    assert any(y["train/padded_fraction"] < x["train/padded_fraction"] for x, y in zip(a["steps"], b["steps"]))
+    assert any(s["train/loss"] != 0 for s in a["steps"])
+
+
+def test_bad_token_budget_is_refused_before_anything_loads():
+    from conftest import tiny_data
+
+    for bad in (0, -5, 2.5, True, "4096"):
+        with pytest.raises(ValueError, match=r"micro_batch_tokens must be an integer >= 1 or None, got ") as raised:
+            tiny_data(micro_batch_tokens=bad)
+        assert "\n" not in str(raised.value)
