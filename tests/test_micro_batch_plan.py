@@ -157,7 +157,8 @@ def test_forced_parts_are_what_the_ranks_agree_on():
 def test_token_budget_update_equals_row_slicing(tmp_path, mask, aggregation):
     """Two steps of the same fit with today's micro-batches of 4 rows and with a token budget small enough to cut
     another way: the same weights (1e-5, the suite's tolerance for 2 ranks against 1: AdamW's first steps move a
-    parameter by about lr whatever its gradient's size, so float noise in a tiny gradient shows) and the same logged loss, KL, ratios and gradient norm."""
+    parameter by about lr whatever its gradient's size, so float noise in a tiny gradient shows) and the same
+    logged loss, KL, ratios and gradient norm."""
     rows = equality_job(mask, aggregation, 2, str(tmp_path / "rows.pt"), "single")
     tokens = equality_job(mask, aggregation, 2, str(tmp_path / "tokens.pt"), "single", micro_batch_tokens=200)
     a = run_job(rows, str(tmp_path / "a"))
