@@ -1,0 +1,186 @@
+"""Completion log-probs from one packed row without padding: the padding-free twin of
+:func:`lit_grpo.core.scoring.completion_logprobs`.
+
+A micro-batch's rows (``prompt + completion[:-1]``, each without its left and right padding) are concatenated into
+ONE row of ``T = sum of real lengths`` tokens, with ``position_ids`` restarting at 0 for each sequence, no attention
+mask and no KV cache. The forward's cost then follows the tokens, not ``rows x longest row``.
+
+Which attention implementations keep the sequences apart (read in transformers 5.24's ``masking_utils.py`` and
+``modeling_flash_attention_utils.py``):
+
+* ``sdpa``, ``eager`` and ``flex_attention``: ``create_causal_mask`` (and ``create_sliding_window_causal_mask``)
+  call ``find_packed_sequence_indices(position_ids)`` when the 2D attention mask is ``None`` and there is no cache;
+  a position that does not follow its predecessor by exactly 1 starts a new sequence, and the causal mask is
+  intersected with "same sequence" (block-causal). sdpa and eager get it as a dense ``[1, 1, T, T]`` mask;
+  flex_attention as a ``BlockMask``, whose fully masked blocks are skipped.
+* ``flash_attention_2/3/4``: the mask builder returns ``None``; the attention call itself sees ``position_ids``
+  (``_is_packed_sequence``, batch size 1) and runs ``flash_varlen_fn`` with ``cu_seqlens`` taken from the positions
+  equal to 0 (``prepare_fa_kwargs_from_position_ids``): no mask at all, cost ``sum L_i^2`` in attention. This needs
+  the model to hand ``position_ids`` down to its attention layers, which Llama-family models do (checked for
+  Llama: the decoder layer passes them, the attention forwards its ``**kwargs``); a model that drops them on the
+  way would attend across sequences under flash attention only. Not run here (no GPU): read from the source.
+* Any other implementation (a kernel from the hub, ``paged|...``, one registered by a user) is not in
+  ``ALL_MASK_ATTENTION_FUNCTIONS``: transformers builds no mask for it and nothing keeps the sequences apart.
+  :func:`packing_supported` refuses it.
+
+Memory and compute: with sdpa or eager, the block-causal mask is dense: ``T x T`` booleans (eager: ``T x T`` floats
+and ``heads x T x T`` attention weights), and attention's work grows as ``T^2`` rather than ``sum L_i^2``, so a
+packed row of 8k tokens computes (and on a CPU materialises) 64M scores per head where the sequences need far
+fewer. For long micro-batches on sdpa keep the token budget moderate; flash attention and flex attention pay only
+for the blocks that attend.
+
+Not done: keeping the padded path's prompt sharing (each distinct prompt once, its completions attending to it).
+It needs a custom 4D mask (``same group and (key in the prompt or key in the same completion) and key <= query``),
+which only sdpa and eager accept as given (flash attention takes none, flex a ``BlockMask`` built another way) and
+which is dense again; here each completion carries its own copy of the prompt.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+from torch import nn
+
+from lit_grpo.core.batch import MicroBatch
+from lit_grpo.math.logprobs import differentiable_entropy, selective_log_softmax_with_normaliser, token_entropy
+
+#: attention implementations whose transformers code path separates packed sequences by their position ids
+PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+#: the mask builders of ``transformers.masking_utils`` that detect packed position ids; a model's module must use one
+_PACKED_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_masks_for_generate")
+#: layer kinds whose only state across tokens is attention (a recurrent or convolutional layer would carry one
+#: sequence's state into the next)
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP, ``torch.compile`` or PEFT wrappers."""
+    for _ in range(8):
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            break
+    return model
+
+
+def packing_supported(model: nn.Module) -> str | None:
+    """``None`` when ``model`` can score a packed row (see the module's docstring), else one line saying why not:
+    an attention implementation that ignores packed position ids, a model without ``position_ids`` (ALiBi models such
+    as Bloom and MPT build their bias from the attention mask), a model whose mask is not built by
+    ``transformers.masking_utils``, a recurrent or linear-attention layer, an encoder-decoder, or a transformers
+    without packed-sequence detection. Learned absolute positions (GPT-2, OPT) are fine: they are indexed by the
+    position ids given."""
+    base = _unwrapped(model)
+    config = getattr(base, "config", None)
+    if config is None:
+        return f"packing needs a transformers model with a config; got {type(base).__name__}"
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return "packing needs transformers.masking_utils"
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        return "packing needs a transformers that detects packed sequences (masking_utils.find_packed_sequence_indices)"
+    attn = getattr(config, "_attn_implementation", None)
+    if attn not in PACKING_ATTENTION:
+        return (f"packing needs one of the attention implementations {', '.join(PACKING_ATTENTION)}; the model uses "
+                f"{attn!r}, which ignores packed position ids")
+    if getattr(config, "is_encoder_decoder", False):
+        return f"packing needs a decoder-only model; {type(base).__name__} is an encoder-decoder"
+    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
+        return f"packing needs position ids; {type(base).__name__} uses ALiBi, built from the attention mask"
+    if "position_ids" not in inspect.signature(base.forward).parameters:
+        return f"packing needs position ids; {type(base).__name__}.forward takes no position_ids"
+    module = sys.modules.get(type(base).__module__)
+    if not any(getattr(module, name, None) is getattr(masking_utils, name, False) for name in _PACKED_MASK_BUILDERS):
+        return (f"packing needs a model whose causal mask comes from transformers.masking_utils; "
+                f"{type(base).__name__} ({type(base).__module__}) builds its own")
+    layer_types = set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYERS
+    if layer_types:
+        return f"packing needs attention-only layers; {type(base).__name__} has {', '.join(sorted(layer_types))}"
+    return None
+
+
+def real_lengths(mask: torch.Tensor, left: bool) -> torch.Tensor:
+    """Per row, the number of real tokens of a padded ``mask``; raises if the real tokens are not one contiguous
+    run at the right (``left`` padding) or at the left (right padding), which the packed layout relies on."""
+    lengths = mask.long().sum(-1)
+    columns = torch.arange(mask.shape[-1], device=mask.device)
+    expected = columns >= mask.shape[-1] - lengths[:, None] if left else columns < lengths[:, None]
+    if not torch.equal(mask.bool(), expected):
+        side = "left" if left else "right"
+        raise ValueError(f"packing needs {side}-padded rows whose real tokens are contiguous; got a mask with holes")
+    return lengths
+
+
+def packed_layout(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed row of a micro-batch: ``input_ids [1, T]``, ``position_ids [1, T]``, the indices ``[N]`` of the
+    positions whose logits predict a completion token, and those tokens ``[N]``, row by row (``N`` = real
+    completion tokens; the order is that of ``completion_mask`` read row-major)."""
+    prompt_len = real_lengths(mb.prompt_mask, left=True)[mb.prompt_index]
+    completion_len = real_lengths(mb.completion_mask, left=False)
+    prompt_list, completion_list = prompt_len.tolist(), completion_len.tolist()  # one sync for the whole layout
+    if any(p == 0 for p, c in zip(prompt_list, completion_list) if c > 0):
+        raise ValueError("packing needs at least one prompt token per row: its last token predicts the first "
+                         "completion token")
+    width = mb.prompt_ids.shape[1]
+    ids, positions, keep, targets = [], [], [], []
+    start = 0
+    for row, (p, c) in enumerate(zip(prompt_list, completion_list)):
+        if c == 0:
+            continue
+        prompt = mb.prompt_ids[mb.prompt_index[row], width - p:]
+        completion = mb.completion_ids[row, :c]
+        ids += [prompt, completion[:-1]]
+        positions.append(torch.arange(p + c - 1, device=mb.prompt_ids.device))
+        # the last prompt token predicts completion[0], completion[j] predicts completion[j + 1]
+        keep.append(torch.arange(start + p - 1, start + p + c - 1, device=mb.prompt_ids.device))
+        targets.append(completion)
+        start += p + c - 1
+    if not ids:
+        empty = mb.completion_ids.new_zeros(0)
+        return empty[None], empty[None], empty, empty
+    return torch.cat(ids)[None], torch.cat(positions)[None], torch.cat(keep), torch.cat(targets)
+
+
+def packed_completion_logprobs(
+    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`lit_grpo.core.scoring.completion_logprobs` from one packed forward without padding: ``log softmax(
+    logits / T)`` of each completion token, ``[s, C']``, and optionally the entropy (with its gradient when
+    ``entropy_grad``), through the same functions of :mod:`lit_grpo.math.logprobs`.
+
+    Padded positions (``completion_mask == 0``) hold 0 in both outputs, where the padded path holds whatever the
+    model predicts after a pad token; every caller masks them (``MicroBatch.loss_mask`` is within
+    ``completion_mask``). Each row pays for its own prompt (the padded path shares one prompt forward across the
+    completions of a group). The forward never takes a KV cache, so it is the same under activation checkpointing.
+    Check :func:`packing_supported` first: with an attention implementation that ignores packed position ids
+    the sequences would attend to one another and the numbers would be silently wrong.
+    """
+    input_ids, position_ids, keep, targets = packed_layout(mb)
+    logp = torch.zeros(mb.completion_ids.shape, dtype=torch.float32, device=mb.completion_ids.device)
+    entropy = torch.zeros_like(logp) if with_entropy else None
+    if keep.numel() == 0:
+        return logp, entropy
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=None,  # packed sequences are detected only without a 2D mask
+        position_ids=position_ids,
+        use_cache=False,  # and only without a cache
+        logits_to_keep=keep,  # the lm head runs on the N predicting positions only
+    ).logits
+    values, normaliser = selective_log_softmax_with_normaliser(logits, targets[None], temperature)
+    real = mb.completion_mask.bool()
+    logp = logp.to(values.dtype).masked_scatter(real, values[0])
+    if with_entropy and entropy_grad:
+        ent = differentiable_entropy(logits, temperature, normaliser)
+    elif with_entropy:
+        ent = token_entropy(logits.detach(), temperature, normaliser)
+    if with_entropy:
+        entropy = entropy.to(ent.dtype).masked_scatter(real, ent[0])
+    return logp, entropy
