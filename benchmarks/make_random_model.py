@@ -22,6 +22,14 @@ vocabulary, so EOS comes with probability about 2e-5 per token (measured for ``s
 about four steps, on average). That is what a timing run wants: fixed shapes, prompt plus ``max_new_tokens`` for
 every sequence, that do not depend on what the model has learnt. Pair it with ``benchmarks/coin_reward.py`` so
 that groups still get a spread of rewards.
+
+``--eos-rate R`` makes such a model end its completions at spread lengths instead (``benchmarks/uneven_lengths.py``):
+the EOS row of the (tied) embedding is set to the mean direction of the model's last hidden states, scaled so that
+EOS comes with probability about R per sampled token, averaged over positions (``set_eos_rate``; R = 1/150 gives
+lengths spread roughly geometrically, median about 100 tokens, a few per cent past 512). The mean is measured on
+a chat-formatted GSM8K prompt (with the default system prompt) followed by 512 uniformly random
+tokens, what a random model samples. The rest of the
+distribution is untouched, so sampling stays close to uniform over the other tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -68,7 +80,55 @@ def load_tokenizer(folder: Path | None):
     return AutoTokenizer.from_pretrained(smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF)
 
 
-def build(out: Path, shape: str, tokenizer_dir: Path | None = None) -> None:
+def eos_probability(hidden: torch.Tensor, other_logits_lse: torch.Tensor, direction: torch.Tensor,
+                    scale: float) -> float:
+    """Mean over positions of p(EOS) when EOS's logit is ``scale * hidden @ direction`` and the other tokens'
+    logits have log-sum-exp ``other_logits_lse``: ``sigmoid(eos_logit - other_lse)``."""
+    import torch
+
+    return float(torch.sigmoid(scale * (hidden @ direction) - other_logits_lse).mean())
+
+
+def set_eos_rate(model: Any, tokenizer: Any, rate: float, rounds: int = 3, tokens: int = 512) -> float:
+    """Set the EOS row of ``model``'s output embedding to ``scale`` times the unit mean direction of its last
+    hidden states, ``scale`` found by bisection so that p(EOS) averages ``rate`` over the positions of a chat
+    prompt followed by ``tokens`` uniformly random tokens. The row is also EOS's input embedding (tied weights,
+    and EOS is in the prompt), so the hidden states are measured again, ``rounds`` times. Returns the rate
+    measured with the final weights."""
+    import torch
+
+    if not 0.0 < rate < 1.0:
+        raise ValueError(f"--eos-rate must be a probability in (0, 1), got {rate}")
+    eos = int(model.config.eos_token_id)
+    from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
+
+    # the benchmarks' prompt format (the hidden states, and so p(EOS), depend on the context)
+    prompt = prompt_ids(tokenizer, "Natalia sold clips to 48 of her friends in April, and then she sold half as "
+                        "many clips in May. How many clips did Natalia sell altogether?", DEFAULT_SYSTEM_PROMPT)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.cat([torch.tensor(prompt), torch.randint(0, len(tokenizer), (tokens,), generator=generator)])[None]
+    weight = model.get_output_embeddings().weight
+    measured = 0.0
+    with torch.no_grad():
+        for _ in range(rounds):
+            hidden = model.model(input_ids=ids).last_hidden_state[0, len(prompt):]  # after the final norm
+            logits = hidden @ weight.T
+            logits[:, eos] = float("-inf")
+            other_lse = torch.logsumexp(logits, dim=-1)
+            direction = hidden.mean(0) / hidden.mean(0).norm()
+            low, high = 0.0, 1e4
+            for _ in range(100):  # p(EOS) grows with the scale: bisection
+                middle = (low + high) / 2
+                low, high = (middle, high) if eos_probability(hidden, other_lse, direction, middle) < rate else (
+                    low, middle)
+            weight[eos] = direction * (low + high) / 2
+            measured = eos_probability(hidden, other_lse, direction, (low + high) / 2)
+        hidden = model.model(input_ids=ids).last_hidden_state[0, len(prompt):]
+        measured = float(torch.softmax(hidden @ weight.T, dim=-1)[:, eos].mean())
+    return measured
+
+
+def build(out: Path, shape: str, tokenizer_dir: Path | None = None, eos_rate: float | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -81,6 +141,9 @@ def build(out: Path, shape: str, tokenizer_dir: Path | None = None) -> None:
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if eos_rate is not None:
+        measured = set_eos_rate(model, tokenizer, eos_rate)
+        print(f"EOS row set: p(EOS) {measured:.5f} per token on random text (asked {eos_rate:.5f})")
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -95,8 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("shape", choices=sorted(SHAPES), help="which model's shape to build")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="directory of a tokenizer to save beside the model (default: SmolLM2-135M-Instruct's)")
+    parser.add_argument("--eos-rate", type=float, default=None,
+                        help="set the EOS row so that EOS comes with about this probability per token "
+                             "(e.g. 0.00667 = 1/150: spread completion lengths); default: untouched (about 2e-5)")
     args = parser.parse_args(argv)
-    build(args.out, args.shape, args.tokenizer)
+    build(args.out, args.shape, args.tokenizer, args.eos_rate)
 
 
 if __name__ == "__main__":
