@@ -152,15 +152,17 @@ def test_forced_parts_are_what_the_ranks_agree_on():
 
 # ---- the update is today's: one process here, two ranks in tests/test_multiprocess.py ----------------------
 
+@pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("mask,aggregation", [(True, "token_mean"), (False, "seq_mean_token_mean"),
                                                (True, "constant")])
-def test_token_budget_update_equals_row_slicing(tmp_path, mask, aggregation):
+def test_token_budget_update_equals_row_slicing(tmp_path, mask, aggregation, packing):
     """Two steps of the same fit with today's micro-batches of 4 rows and with a token budget small enough to cut
     another way: the same weights (1e-5, the suite's tolerance for 2 ranks against 1: AdamW's first steps move a
     parameter by about lr whatever its gradient's size, so float noise in a tiny gradient shows) and the same
-    logged loss, KL, ratios and gradient norm."""
+    logged loss, KL, ratios and gradient norm. Packed (``model.packing``): the same, with no padding at all."""
     rows = equality_job(mask, aggregation, 2, str(tmp_path / "rows.pt"), "single")
     tokens = equality_job(mask, aggregation, 2, str(tmp_path / "tokens.pt"), "single", micro_batch_tokens=200)
+    tokens["module"]["packing"] = packing
     a = run_job(rows, str(tmp_path / "a"))
     b = run_job(tokens, str(tmp_path / "b"))
     expected, got = torch.load(tmp_path / "rows.pt"), torch.load(tmp_path / "tokens.pt")
@@ -170,6 +172,8 @@ def test_token_budget_update_equals_row_slicing(tmp_path, mask, aggregation):
                     "train/clip_low_fraction", "rollout/reward_mean"):
             assert y[key] == pytest.approx(x[key], abs=1e-6), key
         assert y["train/padded_fraction"] <= x["train/padded_fraction"]
+        if packing:
+            assert y["train/padded_fraction"] == 0
     # prompts of 140 to 331 tokens: a budget of 200 puts a short prompt's group in one micro-batch and the rows of a
     # long one each in its own, so the cut differs from 4 rows at a time and the padding of step 2 goes
     assert any(y["train/padded_fraction"] < x["train/padded_fraction"] for x, y in zip(a["steps"], b["steps"]))

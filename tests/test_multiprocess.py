@@ -50,6 +50,12 @@ def two_ranks(tmp_path_factory):
         index[(strategy, "tokens")] = len(jobs)
         jobs.append(equality_job(True, "token_mean", 1, str(root / f"{strategy}-tokens.pt"), strategy,
                                  micro_batch_tokens=200))
+        # the same budget with packed rows (model.packing): one forward per micro-batch on each rank
+        index[(strategy, "packed")] = len(jobs)
+        packed = equality_job(True, "token_mean", 1, str(root / f"{strategy}-packed.pt"), strategy,
+                              micro_batch_tokens=200)
+        packed["module"]["packing"] = True
+        jobs.append(packed)
         index[(strategy, "v1")] = len(jobs)
         jobs.append(dict(strategy=strategy, v=1, max_steps=3, data=dict(prompts_per_step=1,
                                                                         reuse_policy_logprobs=False)))
@@ -114,12 +120,13 @@ def test_several_micro_batches_per_rank_equal_one_rank(two_ranks, tmp_path, stra
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_token_budget_micro_batches_on_two_ranks_equal_row_slicing_in_one(two_ranks, tmp_path, strategy):
-    """Token-budget micro-batches on 2 ranks (under FSDP2 the ranks agree on how many) against today's row slicing
-    (micro-batches of 4) in one process: the same update and metrics."""
+@pytest.mark.parametrize("variant", ["tokens", "packed"])
+def test_token_budget_micro_batches_on_two_ranks_equal_row_slicing_in_one(two_ranks, tmp_path, strategy, variant):
+    """Token-budget micro-batches on 2 ranks (under FSDP2 the ranks agree on how many), padded or packed, against
+    today's row slicing (padded micro-batches of 4) in one process: the same update and metrics."""
     root, index, ranks = two_ranks
-    two = ranks[0][index[(strategy, "tokens")]]
-    assert_two_ranks_equal_one_rank(two, root / f"{strategy}-tokens.pt", True, "token_mean", tmp_path, 4,
+    two = ranks[0][index[(strategy, variant)]]
+    assert_two_ranks_equal_one_rank(two, root / f"{strategy}-{variant}.pt", True, "token_mean", tmp_path, 4,
                                     same_cut=False)
     single = run_job(equality_job(True, "token_mean", 2, str(tmp_path / "rows.pt"), "single"), str(tmp_path / "r"))
     assert all(t["train/padded_fraction"] <= s["train/padded_fraction"]

@@ -184,3 +184,11 @@ def packed_completion_logprobs(
     if with_entropy:
         entropy = entropy.to(ent.dtype).masked_scatter(real, ent[0])
     return logp, entropy
+
+
+def packed_token_count(mb: MicroBatch) -> torch.Tensor:
+    """Tokens the packed row of ``mb`` feeds the model (:func:`packed_layout`): each row's real prompt tokens and
+    its real completion tokens but the last, a 0-d tensor on the masks' device (no host sync)."""
+    prompt_tokens = mb.prompt_mask.sum(1)[mb.prompt_index]
+    completion_tokens = mb.completion_mask.sum(1)
+    return torch.where(completion_tokens > 0, prompt_tokens + completion_tokens - 1, 0).sum()

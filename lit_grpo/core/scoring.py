@@ -12,6 +12,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from lit_grpo.core.batch import MicroBatch
 from lit_grpo.core.cache_argument import cache_kwarg, output_cache
+from lit_grpo.core.packing import packed_completion_logprobs
 from lit_grpo.math.logprobs import differentiable_entropy, selective_log_softmax_with_normaliser, token_entropy
 
 
@@ -21,7 +22,8 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def completion_logprobs(
-    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False
+    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(logits / T)`` of each completion token, shape ``[s, C']``, and optionally the entropy (with
     its gradient when ``entropy_grad``: an entropy bonus; else a detached statistic).
@@ -33,7 +35,12 @@ def completion_logprobs(
     Under activation checkpointing (a training-mode model with ``gradient_checkpointing_enable()``) there is no
     KV cache to share, so each row runs as one cacheless forward over ``prompt + completion`` instead: the same
     function, with the prompt computed G times (see :func:`checkpointing_drops_cache`).
+
+    ``packed``: the same numbers (within 1e-5 in float32) from one packed row without padding
+    (:func:`lit_grpo.core.packing.packed_completion_logprobs`).
     """
+    if packed:
+        return packed_completion_logprobs(model, mb, temperature, with_entropy, entropy_grad)
     if checkpointing_drops_cache(model):
         pieces = [(_logits_without_cache(model, mb), mb.completion_ids)]
     else:
@@ -153,7 +160,8 @@ class _ValueOfFirst(torch.autograd.Function):
 
 
 def policy_logprobs(
-    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False
+    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-probs a gradient pass feeds the loss: :func:`completion_logprobs`, or, when ``model`` has active
     dropout and grad is on, log-probs whose *values* are the policy's without dropout (a no-grad pass inside
@@ -167,8 +175,9 @@ def policy_logprobs(
     dropout-free pass; one with a gradient (``entropy_grad``, an entropy bonus) from the pass with dropout, the
     pass that carries gradients."""
     if not (torch.is_grad_enabled() and active_dropout(model)):
-        return completion_logprobs(model, mb, temperature, with_entropy, entropy_grad)
+        return completion_logprobs(model, mb, temperature, with_entropy, entropy_grad, packed)
     with torch.no_grad(), dropout_off(model):
-        value, entropy = completion_logprobs(model, mb, temperature, with_entropy and not entropy_grad)
-    carrier, carried_entropy = completion_logprobs(model, mb, temperature, with_entropy and entropy_grad, entropy_grad)
+        value, entropy = completion_logprobs(model, mb, temperature, with_entropy and not entropy_grad, packed=packed)
+    carrier, carried_entropy = completion_logprobs(model, mb, temperature, with_entropy and entropy_grad, entropy_grad,
+                                                   packed)
     return _ValueOfFirst.apply(value, carrier), carried_entropy if entropy_grad else entropy

@@ -31,6 +31,7 @@ from lit_grpo.core.distributed import (
     sum_over_ranks,
 )
 from lit_grpo.core.option_groups import as_group, plain
+from lit_grpo.core.packing import packed_token_count, packing_supported
 from lit_grpo.core.quiet import quiet_lightning
 from lit_grpo.core.scoring import active_dropout, completion_logprobs, dropout_off, policy_logprobs
 from lit_grpo.math.aggregation import (
@@ -119,6 +120,11 @@ class GRPOModule(L.LightningModule):
         peak_flops: one device's peak FLOP/s, the denominator of ``train/mfu`` (model FLOP utilisation of the
             update, see ``lit_grpo.training.flops``). None: the bf16 dense peak of the CUDA device when
             ``lit_grpo.training.flops.PEAK_BF16_FLOPS`` knows it; on a CPU or an unknown device no MFU is logged.
+        packing: run each micro-batch's log-prob passes (policy, pi_ref, the TV monitor) as one packed row without
+            padding (``lit_grpo.core.packing``: position ids restart per sequence; sdpa, eager and flex attention
+            get a block-causal mask, flash attention its variable-length kernel). Each completion then carries its
+            own copy of its prompt. Log-probs equal the padded path's within 1e-5 in float32. A model that cannot
+            pack is refused when the module is made.
     """
 
     def __init__(
@@ -146,6 +152,7 @@ class GRPOModule(L.LightningModule):
         mask_truncated_completions: bool = False,
         peak_flops: float | None = None,
         lora: LoraArgs | None = None,
+        packing: bool = False,
     ) -> None:
         super().__init__()
         quiet_lightning()  # for a Trainer built after the module, outside the command line
@@ -203,6 +210,8 @@ class GRPOModule(L.LightningModule):
         # stays on in train mode, for the gradient pass only: every scoring pass turns it off,
         # lit_grpo.core.scoring)
         self.policy.train()
+        if packing and (why := packing_supported(self.policy)) is not None:
+            raise ValueError(f"model.packing: {why}")
         # pi_ref is made on first use (`configure_model` under a trainer, else the first access of `reference`),
         # so that on an accelerator it is copied straight there instead of doubling the policy on the host
         self._modules["reference"] = None  # the property below reads it; set directly, past the property
@@ -339,6 +348,11 @@ class GRPOModule(L.LightningModule):
         return token_weights(mask, *args)
 
     @property
+    def packing(self) -> bool:
+        """Whether the log-prob passes run packed rows without padding (``packing``)."""
+        return bool(self.hparams.get("packing", False))
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the objective has a KL term (beta > 0), hence pi_ref's log-probs."""
         return self.hparams.beta > 0
@@ -364,8 +378,10 @@ class GRPOModule(L.LightningModule):
             return [mb.take(batch.reference_logp) for mb in micro_batches]
         if lora_reference:
             with peft_model_of(self.policy).disable_adapter(), dropout_off(self.policy):
-                return [completion_logprobs(self.policy, mb, self.hparams.temperature)[0] for mb in micro_batches]
-        return [completion_logprobs(self.reference, mb, self.hparams.temperature)[0] for mb in micro_batches]
+                return [completion_logprobs(self.policy, mb, self.hparams.temperature, packed=self.packing)[0]
+                        for mb in micro_batches]
+        return [completion_logprobs(self.reference, mb, self.hparams.temperature, packed=self.packing)[0]
+                for mb in micro_batches]
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
         """i optimizer steps on one rollout batch, each over every micro-batch. The statistics stay on the device
@@ -403,9 +419,14 @@ class GRPOModule(L.LightningModule):
             iteration_stats.append(totals)
         if hp.monitor_tv_after_update:
             iteration_stats[-1]["tv_pi_alpha_sum"] = self.tv_after_update(batch, micro_batches, pik_logps)
-        iteration_stats[0]["processed_tokens"] = torch.stack(
-            [processed_tokens(mb.prompt_mask, mb.completion_mask) for mb in micro_batches]).sum()
-        iteration_stats[0]["padded_tokens"], iteration_stats[0]["computed_tokens"] = padding_tokens(micro_batches)
+        if self.packing:  # no padding; each completion runs its own copy of its prompt
+            fed = torch.stack([packed_token_count(mb) for mb in micro_batches]).sum().to(torch.float64)
+            iteration_stats[0]["processed_tokens"] = fed
+            iteration_stats[0]["padded_tokens"], iteration_stats[0]["computed_tokens"] = fed * 0, fed
+        else:
+            iteration_stats[0]["processed_tokens"] = torch.stack(
+                [processed_tokens(mb.prompt_mask, mb.completion_mask) for mb in micro_batches]).sum()
+            iteration_stats[0]["padded_tokens"], iteration_stats[0]["computed_tokens"] = padding_tokens(micro_batches)
         wait_for_device(self.device)  # the clock must hold the work still queued on an accelerator
         update_seconds = time.perf_counter() - start
         self.log_step(batch, iteration_stats, grad_norms, staleness, update_seconds)
@@ -456,7 +477,7 @@ class GRPOModule(L.LightningModule):
         # with LoRA dropout: the values of the policy without dropout (pi_k at iteration 0, the ratio's numerator),
         # the gradient of the pass with dropout (lit_grpo.core.scoring.policy_logprobs)
         logp, entropy = policy_logprobs(self.policy, mb, hp.temperature, with_entropy=wants_entropy,
-                                        entropy_grad=bonus)
+                                        entropy_grad=bonus, packed=self.packing)
         pik_logp = logp.detach() if first else pik_logp
         alpha_logp = alpha_logprobs(batch, mb, pik_logp)
         mask, advantages = mb.loss_mask, mb.take(batch.advantages)
@@ -543,7 +564,7 @@ class GRPOModule(L.LightningModule):
         sums = []
         for j, mb in enumerate(micro_batches):
             with dropout_off(self.policy):  # the policy itself, as the sampler runs it (LoRA dropout off)
-                logp, _ = completion_logprobs(self.policy, mb, self.hparams.temperature)
+                logp, _ = completion_logprobs(self.policy, mb, self.hparams.temperature, packed=self.packing)
             sums.append(tv_estimate(logp, alpha_logprobs(batch, mb, pik_logps[j]), mb.loss_mask).sum)
         return torch.stack(sums).sum()
 
