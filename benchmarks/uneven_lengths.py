@@ -542,6 +542,8 @@ def plot(report: dict[str, Any], path: Path) -> str:
                                                   for lb in labels])
         ax.set_xticks(range(len(values)), labels, rotation=60, ha="right", fontsize=7)
         ax.set_title(title, fontsize=9)
+        if not values:
+            ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"uneven lengths (<= {report['config']['max_new_tokens']} new tokens), medians", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
