@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="connections served at once (a thread each); one more is answered 503 and closed "
                              f"(default {DEFAULT_MAX_CONNECTIONS})")
+    parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                        help="sequences of a request decoding at once: a finished one's slot takes the next waiting "
+                             "one (default: all of them at once; finished ones leave the batch either way)")
     return parser
 
 
@@ -56,6 +59,10 @@ def main(argv: Sequence[str]) -> None:
     check_connection_options(args.read_timeout, args.max_connections)
     import torch
 
+    from lit_grpo.engines.options import check_max_num_seqs
+
+    check_max_num_seqs(args.max_num_seqs)  # before the model loads
+
     from lit_grpo.models.loading import load_model_and_tokenizer
 
     if args.threads is not None:
@@ -67,7 +74,7 @@ def main(argv: Sequence[str]) -> None:
               "torch.distributed, which is not authenticated; keep the network private", file=sys.stderr)
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     server = RolloutServer(model.to(device), tokenizer, args.model, token, limits,
-                           reuse_buffers=not args.no_buffer_reuse)
+                           reuse_buffers=not args.no_buffer_reuse, max_num_seqs=args.max_num_seqs)
     httpd = make_http_server(server, args.host, args.port, args.log_requests, args.read_timeout,
                              args.max_connections)
     host, port = httpd.server_address[:2]

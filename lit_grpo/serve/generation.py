@@ -35,6 +35,8 @@ class GenerationRoutes:
     eos: list[int]
     pad: int
     vocab_size: int
+    #: sequences of a request decoding at once (``TransformersEngine.max_num_seqs``; None: all)
+    max_num_seqs: int | None = None
 
     def handlers(self) -> dict[str, Callable[[dict, dict], dict]]:
         """Its routes' handlers by the names ``lit_grpo.wire.protocol.ROUTES`` gives them."""
@@ -57,7 +59,8 @@ class GenerationRoutes:
         sampling = SamplingConfig(max_new_tokens=request.max_tokens, temperature=request.temperature,
                                   top_p=request.top_p)
         stops = sorted(set(self.eos) | set(request.stop_token_ids))
-        engine = TransformersEngine(self.policy.model, stops, self.pad, copy_weights=False, rescore=False)
+        engine = TransformersEngine(self.policy.model, stops, self.pad, copy_weights=False, rescore=False,
+                                    max_num_seqs=self.max_num_seqs)
         with self.policy.generating() as (epoch, version):
             try:
                 groups = engine.generate(request.prompts, request.n, sampling, request.seed,

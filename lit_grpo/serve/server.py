@@ -64,7 +64,7 @@ class RolloutServer:
     own."""
 
     def __init__(self, model: Any, tokenizer: Any, model_name: str, token: str, limits: Limits = DEFAULT_LIMITS,
-                 reuse_buffers: bool = True) -> None:
+                 reuse_buffers: bool = True, max_num_seqs: int | None = None) -> None:
         from lit_grpo.models.loading import eos_token_ids
 
         if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
@@ -76,7 +76,7 @@ class RolloutServer:
         pad = tokenizer.pad_token_id
         vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.generation = GenerationRoutes(self.policy, tokenizer, model_name, limits, eos,
-                                           int(pad) if pad is not None else eos[0], vocab_size)
+                                           int(pad) if pad is not None else eos[0], vocab_size, max_num_seqs)
         self.adapter = ServedAdapter(self.policy)  # the LoRA adapter of model.lora, made at its first push
         self.reference = ReferenceRoutes(self.policy, vocab_size, limits, self.adapter)
         self.receiver = WeightReceiver(self.policy, self.reference, model_name, reuse_buffers, self.adapter)
