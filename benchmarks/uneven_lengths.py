@@ -119,7 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads per side")
     parser.add_argument("--eos-rate", type=float, default=1 / 150, help="the random model's p(EOS) per token")
     parser.add_argument("--random-model", type=Path, default=None,
-                        help="the random model's directory (default: built under the output dir on first use)")
+                        help="the random model's directory (default: built on first use under "
+                             "benchmarks/results/uneven/models/)")
     parser.add_argument("--matmul-size", type=int, default=2048, help="square fp32 matmul timed for the limit")
     parser.add_argument("--output-dir", type=Path, default=OUTPUT_DIR)
     # worker-only
@@ -489,7 +490,7 @@ def main_worktree(ref: str, folder: Path) -> Path:
 
 def random_model(args: argparse.Namespace) -> Path:
     """The random model with spread EOS, built on first use."""
-    folder = args.random_model or args.output_dir / "models" / f"smol135-eos{round(1 / args.eos_rate)}"
+    folder = args.random_model or OUTPUT_DIR / "models" / f"smol135-eos{round(1 / args.eos_rate)}"
     if not (folder / "config.json").is_file():
         from benchmarks.make_random_model import build
 
