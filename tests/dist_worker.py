@@ -29,7 +29,8 @@ KEYS = ("train/loss", "train/kl", "rollout/reward_mean", "rollout/reward_std", "
         "rollout/generated_tokens", "train/staleness", "train/ratio_first_iteration_min",
         "train/ratio_first_iteration_max", "train/ratio_mean", "train/clip_low_fraction", "train/entropy",
         "train/grad_norm", "train/update_flops", "rollout/staleness_mean", "rollout/staleness_max",
-        "rollout/mixed_versions", "rollout/producer_waits", "train/reference_served", "train/padded_fraction")
+        "rollout/mixed_versions", "rollout/producer_waits", "train/reference_served", "train/padded_fraction",
+        "rollout/token_staleness_mean", "rollout/token_staleness_max")
 #: gradient reductions this process made in the current job (DDP comm-hook calls, FSDP2 reduce-scatters)
 REDUCTIONS = {"count": 0}
 
@@ -91,7 +92,12 @@ class RecordRows:
         """Also remember the weight versions a rollout server reported for the batch's completions."""
         versions = sorted({int(v) for g in groups for c in g for v in c.versions})
         self.versions = getattr(self, "versions", []) + [versions]
-        return super().assemble(prompt_batch, groups, *args)
+        # per completion: its versions and span lengths (partial rollouts), and where the batch's alpha came from
+        spans = [[list(c.versions), list(c.span_lengths), len(c.token_ids)] for g in groups for c in g]
+        self.spans = getattr(self, "spans", []) + [spans]
+        batch = super().assemble(prompt_batch, groups, *args)
+        self.alpha_sources = getattr(self, "alpha_sources", []) + [batch.alpha_source]
+        return batch
 
 
 class PushedVersions(Callback):
@@ -106,6 +112,18 @@ class PushedVersions(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         self.versions.append(int(trainer.datamodule.rollout_engine.synced_step))
+
+
+class SaveAt(Callback):
+    """Save a checkpoint at the end of the batch after which ``global_step`` is ``step`` (after WeightSync's push,
+    which comes first in the list): mid-run, with the batches generated ahead pending."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
 
 
 class RealData(RecordRows, RolloutDataModule):
@@ -180,6 +198,8 @@ def run_job(job: dict, workdir: str) -> dict:
     callbacks += [c for c in (compare,) if c is not None]
     if job.get("kill_server"):
         callbacks.append(KillServer(**job["kill_server"]))
+    if job.get("ckpt_at"):
+        callbacks.append(SaveAt(**job["ckpt_at"]))
     evaluator = None
     if job.get("eval"):
         e = job["eval"]
@@ -218,6 +238,8 @@ def run_job(job: dict, workdir: str) -> dict:
         "steps": [{k: s[k] for k in KEYS if k in s} for s in recorder.steps],
         "drawn": getattr(data, "drawn", []),
         "versions": getattr(data, "versions", []),
+        "spans": getattr(data, "spans", []),
+        "alpha_sources": getattr(data, "alpha_sources", []),
         "pushed": pushed.versions,
         "engine_vs_policy": compare.steps if compare else None,
         "tensorboard": str(Path(workdir) / "tb") if job.get("tensorboard") else None,

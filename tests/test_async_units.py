@@ -103,7 +103,9 @@ def test_staleness_is_the_step_minus_the_oldest_version_of_each_completion():
     groups = [[completion(["4"]), completion(["3", "4"])], [completion(["4"]), completion(["4"])]]
     assert weight_version_of(groups[0][1]) == 3
     stats = staleness_stats(groups, step=5)
-    assert stats == {"staleness_mean": (1 + 2 + 1 + 1) / 4, "staleness_max": 2.0, "mixed_versions": 1.0}
+    # per token (two each; without span lengths a completion's tokens take its oldest version): 1 1 2 2 1 1 1 1
+    assert stats == {"staleness_mean": (1 + 2 + 1 + 1) / 4, "staleness_max": 2.0, "mixed_versions": 1.0,
+                     "token_staleness_mean": 10 / 8, "token_staleness_max": 2.0}
 
 
 def test_a_completion_without_a_version_or_with_a_foreign_one_is_refused():

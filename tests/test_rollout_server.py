@@ -152,7 +152,7 @@ def test_body_size_and_request_limits(servers, tiny):
     for body, message in cases:
         status, payload = a.call("POST", "/v1/completions", body)
         assert status == 400 and message in payload["error"]["message"], (body, payload)
-    assert a.call("POST", "/pause?mode=keep")[0] == 400
+    assert a.call("POST", "/pause?mode=freeze")[0] == 400
     assert a.call("GET", "/weight_info")[1] == before
     engine = client(a, tiny, generate_timeout_s=1.0)
     with pytest.raises(ServerError, match="--max-prompts"):

@@ -52,7 +52,9 @@ class AsyncRollouts:
 
     def drain(self) -> None:
         """Wait for the batches already requested (every weight push does first, on every rank: no batch handed over
-        under the old weights is sampled with the new ones)."""
+        under the old weights is sampled with the new ones). Not with partial rollouts, whose pushes keep the requests
+        in flight: a batch handed over when the trainer takes batch b starts after the push of version b returned,
+        so none of its tokens is older than b, and the staleness bound holds per token without waiting."""
         if self.producer is not None:
             self.producer.drain()
 

@@ -42,8 +42,10 @@ from lit_grpo.data.rollout import BatchOrigin, PaddedRollouts, collate_rollouts,
 from lit_grpo.data.sampler_check import DEFAULT_MAX_GAP, DEFAULT_SEQUENCES, SamplerCheck
 from lit_grpo.data.server_reference import ServerReference
 from lit_grpo.data.staleness import (
+    check_partial_rollouts,
     check_reference_on_server,
     check_staleness_setup,
+    mixes_versions,
     staleness_stats,
     weight_version_of,
 )
@@ -149,6 +151,13 @@ class RolloutDataModule(L.LightningDataModule):
             (``rollout/producer_waits``). Weight pushes wait for the batches already requested, so no completion
             mixes two versions and a run is reproducible; checkpoints keep the batches generated but not yet
             trained on, so a resumed run continues exactly.
+        partial_rollouts: with ``max_staleness >= 1`` and ``engine: server``: a weight push does not wait for the
+            batches already requested; it pauses the server's generations at a token boundary
+            (``/pause?mode=keep``), swaps the weights, and they go on under the new ones (docs/async.md, "Partial
+            rollouts"). Each token then carries the version that sampled it (``Completion.span_lengths``); a batch
+            that mixes versions takes the sampler's per-token log-probs as alpha. The staleness bound still holds
+            per token; which tokens a push cuts depends on timing, so a run is no longer reproducible (a resume from
+            a checkpoint still is exact).
         reference_on_server: the project's rollout server (``engine: server``, kind ``lit_grpo``) also computes
             pi_ref's log-probs of each batch right after sampling it (``lit_grpo.serve.reference_routes``); the
             trainer then skips its reference pass, a quarter of the update's FLOPs. With ``max_staleness >= 1``
@@ -212,6 +221,7 @@ class RolloutDataModule(L.LightningDataModule):
         reuse_policy_logprobs: bool = True,
         max_staleness: int = 0,
         reference_on_server: bool = False,
+        partial_rollouts: bool = False,
         seed: int = 0,
         sampler_check_max_gap: float | None = DEFAULT_MAX_GAP,
         sampler_check_sequences: int = DEFAULT_SEQUENCES,
@@ -235,6 +245,8 @@ class RolloutDataModule(L.LightningDataModule):
         options = engine_options_of(engine, engine_options)
         server_kind = options.kind if isinstance(options, ServerOptions) else None
         check_reference_on_server(reference_on_server, engine, server_kind)
+        check_partial_rollouts(partial_rollouts, max_staleness, engine, reference_on_server)
+        self.partial_rollouts = partial_rollouts
         if server_kind == "vllm" and options.lora_keep is not None and options.lora_keep < max_staleness + 1:
             raise ValueError(f"engine_options.lora_keep={options.lora_keep} is below max_staleness + 1 = "
                              f"{max_staleness + 1}: a batch requested ahead would name an unloaded adapter version")
@@ -386,7 +398,9 @@ class RolloutDataModule(L.LightningDataModule):
                 engine, pad_token_id(self.tokenizer), self.micro_batch_size,
                 float(module.hparams.get("temperature", self.sampling.temperature)),
                 MIXED_AUTOCAST.get(str(self.trainer.precision)), self.micro_batch_tokens)
-        if self.max_staleness and isinstance(engine, RemoteEngine):
+        if self.max_staleness and isinstance(engine, RemoteEngine) and self.partial_rollouts:
+            engine.keep_generating_through_pushes()  # a push keeps the generations in flight (partial rollouts)
+        elif self.max_staleness and isinstance(engine, RemoteEngine):
             # every weight push first waits for the batches already requested (on every rank, then a barrier in
             # the push): no batch handed over under the old weights is sampled with the new ones
             engine.before_push.append(self.async_rollouts.drain)
@@ -498,12 +512,16 @@ class RolloutDataModule(L.LightningDataModule):
         """The trainer's device (the CPU outside a trainer): where a batch is built."""
         return self.trainer.lightning_module.device if self.trainer is not None else torch.device("cpu")
 
-    def alpha_logprobs(self, padded: PaddedRollouts, sampled_step: int) -> tuple[torch.Tensor | None, str]:
+    def alpha_logprobs(self, padded: PaddedRollouts, sampled_step: int,
+                       mixed: bool = False) -> tuple[torch.Tensor | None, str]:
         """Log-probs of the completions under the weights that sampled them (version ``sampled_step``), and where
         they come from (``RolloutBatch.alpha_source``); ``None`` means "alpha is pi_k": those are the policy's
-        current weights, so the trainer's first forward gives them exactly."""
+        current weights, so the trainer's first forward gives them exactly. ``mixed``: the batch's tokens come from
+        several versions (partial rollouts): no one set of weights recomputes them, so alpha is the sampler's."""
         engine = self.rollout_engine
         current_step = self.trainer.global_step if self.trainer is not None else None
+        if mixed:
+            return padded.sampler_logp, "sampler"
         if self.reuse_policy_logprobs and engine.rescore and sampled_step == current_step:
             return None, "policy"
         if sampled_step != engine.synced_step:
@@ -671,7 +689,7 @@ class RolloutDataModule(L.LightningDataModule):
         kept = getattr(self.rollout_engine, "kept_weights", None) is not None
         with self.trainer.precision_plugin.forward_context() if kept and self.trainer is not None \
                 else self.precision_context():
-            alpha, alpha_source = self.alpha_logprobs(padded, sampled_step)
+            alpha, alpha_source = self.alpha_logprobs(padded, sampled_step, mixes_versions(groups))
         timings = {"rollout_seconds": time.perf_counter() - start, "generate_seconds": generate_seconds,
                    **({"reference_seconds": rollouts.reference_seconds} if self.scores_reference else {}),
                    **(self.rollout_engine.kept_weights_stats() if kept else {})}

@@ -10,7 +10,9 @@ so no collective can interleave with a transfer in flight.
 Which batches may be requested, and when, is ``AsyncRollouts``' decision (``lit_grpo.data.async_rollouts``): batch
 b + K is handed over when the trainer takes batch b, and every weight push first waits for the jobs handed over so far
 (``drain``). Every batch is therefore sampled with a version fixed by the schedule, not by thread timing: a run is
-reproducible and resumes exactly.
+reproducible and resumes exactly. With partial rollouts (``data.partial_rollouts``) pushes do not drain: the server
+keeps the generations in flight across the swap, and each token carries its version instead; the hand-over rule alone
+still bounds every token's staleness (``lit_grpo.data.async_rollouts``).
 """
 
 from __future__ import annotations

@@ -65,6 +65,9 @@ class Completion:
     #: a multi-turn trajectory's record as plain data (messages, rewards, turns, counts:
     #: ``lit_grpo.data.multi_turn.Trajectory``); ``None`` for a single turn
     trajectory: dict | None = None
+    #: how many tokens each entry of ``versions`` sampled, in order (partial rollouts, ``data.partial_rollouts``: a
+    #: weight push landed mid-generation); empty: one span covering every token
+    span_lengths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,9 @@ class TransformersEngine(RolloutEngine):
         out_tokens = torch.full((total, max_new + 1), self.pad_token_id, dtype=torch.long, device=device)
         out_logps = torch.zeros(total, max_new + 1, device=device)
         lengths = torch.zeros(total, dtype=torch.long, device=device)
+        # tokens each row has decoded so far, updated in place: an ``all_finished`` hook may read it between two steps
+        # (the rollout server's partial rollouts, to know at which token each row goes on under new weights)
+        self.decoded_lengths = lengths
         ended = torch.zeros(total, dtype=torch.bool, device=device)
 
         def prefill(first: int, count: int) -> tuple[Any, torch.Tensor, torch.Tensor]:

@@ -1,6 +1,11 @@
 """The rollout server's generation backend: ``/v1/completions`` served by the transformers engine, and the pause
 that keeps generation and a weight swap apart (``/pause``, ``/resume``, ``/is_paused``).
 
+``/pause?mode=keep`` (partial rollouts) stops the generations in flight at a token boundary instead of waiting for
+them or aborting them: a weight swap then runs while they wait, and after ``/resume`` they go on under the new
+weights. Each completion then reports the versions that sampled its tokens as spans (``weight_versions``:
+``[{version, start, end}, ...]``, vLLM's shape), cut at the decoding step at which the generation went on.
+
 ``GenerationRoutes`` is one of ``RolloutServer``'s route handlers (``lit_grpo.serve.server``); the served policy,
 its version and the pause state are the ``ServedPolicy`` it is given. torch and transformers are imported only when
 a request comes.
@@ -17,9 +22,28 @@ from typing import Any
 from lit_grpo.serve.served_policy import ServedPolicy
 from lit_grpo.wire.protocol import CompletionRequest, HTTPFailure, Limits, parse_completion_request
 
+#: ``/pause``'s modes: end the generations in flight, wait for them, or keep them at a token boundary (vLLM's three)
+PAUSE_MODES = ("abort", "wait", "keep")
+
 
 class Aborted(Exception):
     """A generation stopped by ``/pause?mode=abort``."""
+
+
+#: the versions a request went on with, and for each the token at which each of its rows took it up (row
+#: ``p * n + j``; ``None``: every row from its first token, the version the request started under)
+Starts = list[tuple[str | None, list[int] | None]]
+
+
+def version_spans(starts: Starts, row: int, length: int) -> list[dict]:
+    """Row ``row``'s ``weight_versions`` (``[{version, start, end}]``) from its request's ``starts``, the row having
+    ``length`` tokens: the spans of the versions that sampled at least one of its tokens, each ending where the next
+    begins (a version it took up after its tokens ended, or one it never sampled under, not admitted yet, has
+    none). An empty completion has one empty span, of the version the request started under."""
+    begins = [(v, 0 if at is None else min(at[row], length)) for v, at in starts]
+    ends = [s for _, s in begins[1:]] + [length]
+    spans = [{"version": v, "start": s, "end": e} for (v, s), e in zip(begins, ends) if e > s]
+    return spans or [{"version": begins[0][0], "start": 0, "end": 0}]
 
 
 @dataclass(eq=False)
@@ -46,9 +70,19 @@ class GenerationRoutes:
     def health(self, body: dict, query: dict) -> dict:
         return {}
 
-    def _between_steps(self, epoch: int, done: bool) -> bool:
+    def _between_steps(self, epoch: int, done: bool, starts: Starts, engine: Any) -> bool:
+        """The decode loop's hook, once per decoding step: an abort ends the generation; a ``keep`` pause parks it
+        here (one flag check per token otherwise). When it goes on under another version, each row's next token is
+        the new version's first: the engine's ``decoded_lengths`` say which (0 for a row not admitted yet, under
+        ``max_num_seqs``; a finished row's length, so none of its tokens)."""
         if self.policy.abort_epoch != epoch:
             raise Aborted
+        if self.policy.holding:
+            version = self.policy.park(epoch)
+            if self.policy.abort_epoch != epoch:
+                raise Aborted
+            if version != starts[-1][0]:
+                starts.append((version, engine.decoded_lengths.tolist()))
         return done
 
     def completions(self, body: dict, query: dict) -> dict:
@@ -62,14 +96,15 @@ class GenerationRoutes:
         engine = TransformersEngine(self.policy.model, stops, self.pad, copy_weights=False, rescore=False,
                                     max_num_seqs=self.max_num_seqs)
         with self.policy.generating() as (epoch, version):
+            starts: Starts = [(version, None)]
             try:
                 groups = engine.generate(request.prompts, request.n, sampling, request.seed,
-                                         all_finished=lambda done: self._between_steps(epoch, done))
+                                         all_finished=lambda done: self._between_steps(epoch, done, starts, engine))
             except Aborted:
                 raise HTTPFailure(503, "generation aborted by /pause; retry after /resume") from None
-        return self._completion_response(request, groups, version)
+        return self._completion_response(request, groups, starts)
 
-    def _completion_response(self, request: CompletionRequest, groups: list, version: str | None) -> dict:
+    def _completion_response(self, request: CompletionRequest, groups: list, starts: Starts) -> dict:
         choices, completion_tokens = [], 0
         eos = set(self.eos)
         for p, group in enumerate(groups):
@@ -85,7 +120,7 @@ class GenerationRoutes:
                     "stop_reason": stop_reason,
                     "token_ids": ids if request.return_token_ids else None,
                     "prompt_token_ids": request.prompts[p] if request.return_token_ids else None,
-                    "weight_versions": ([{"version": version, "start": 0, "end": len(ids)}]
+                    "weight_versions": (version_spans(starts, p * request.n + j, len(ids))
                                         if request.return_weight_versions else None),
                 }
                 choices.append(choice)
@@ -95,7 +130,7 @@ class GenerationRoutes:
             "model": self.model_name, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
-            "weight_version": version,
+            "weight_version": starts[-1][0],  # the version the request ended under
         }
 
     def _logprobs(self, ids: list[int], logprobs: list[float], request: CompletionRequest) -> dict:
@@ -114,9 +149,10 @@ class GenerationRoutes:
     # ---- pause --------------------------------------------------------------------------------------
     def pause(self, body: dict, query: dict) -> dict:
         mode = query.get("mode", body.get("mode", "abort"))
-        if mode not in ("abort", "wait"):
-            raise HTTPFailure(400, f"pause mode {mode!r} is not supported; this server offers 'abort' and 'wait'")
-        self.policy.pause(abort=mode == "abort")
+        if mode not in PAUSE_MODES:
+            raise HTTPFailure(400, f"pause mode {mode!r} is not supported; this server offers "
+                                   f"{', '.join(repr(m) for m in PAUSE_MODES)}")
+        self.policy.pause(abort=mode == "abort", keep=mode == "keep")
         return {"status": "paused"}
 
     def resume(self, body: dict, query: dict) -> dict:

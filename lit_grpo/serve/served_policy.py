@@ -5,6 +5,12 @@ A generation counts itself in ``in_flight`` so that a swap waits for it, and wai
 starts; the version it reports is the one it started under, which no swap can change while it runs. ``/pause``
 stops new generations (503 until ``/resume``) and, in mode ``abort``, ends the running ones between two decoding
 steps (``abort_epoch``). torch is not imported here.
+
+Mode ``keep`` (partial rollouts, ``data.partial_rollouts``) does neither: the running generations stop at their next
+token boundary (``park``, called between two decoding steps) and wait there, holding their KV caches; the pause
+returns once every generation in flight is parked, a swap may then run (it waits for the generations that are not
+parked only), and ``/resume`` lets them go on under the new weights. ``park`` returns the version they go on with, so
+a generation knows from which token on its tokens are the new version's.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ class ServedPolicy:
     """The served model (``model``, its ``params`` by name, ``device``, floating ``dtypes``) and its version.
 
     Thread-safe: HTTP requests are served on threads of their own, and ``cond`` guards ``paused``, ``in_flight``,
-    ``swapping``, ``abort_epoch`` and ``weight_version``."""
+    ``swapping``, ``abort_epoch``, ``holding``, ``parked`` and ``weight_version``."""
 
     def __init__(self, model: Any) -> None:
         self.model = model.eval().requires_grad_(False)
@@ -33,6 +39,10 @@ class ServedPolicy:
         self.in_flight = 0
         self.swapping = False
         self.abort_epoch = 0
+        #: a ``keep`` pause is on: generations in flight stop at their next token boundary (read without the lock
+        #: once per token by ``park``'s caller: a flag check)
+        self.holding = False
+        self.parked = 0  # generations in flight waiting in ``park``
         self.weight_version: str | None = None
 
     @contextmanager
@@ -58,28 +68,51 @@ class ServedPolicy:
                 self.in_flight -= 1
                 self.cond.notify_all()
 
-    def pause(self, abort: bool) -> None:
+    def pause(self, abort: bool, keep: bool = False) -> None:
         """Refuse new generations; ``abort`` ends the running ones at their next step; return once none runs. From
-        then until ``resume`` no generation runs: one still waiting for a swap to end is refused when it wakes."""
+        then until ``resume`` no generation runs: one still waiting for a swap to end is refused when it wakes.
+
+        ``keep``: the running generations stop at their next token boundary instead (``park``) and the pause returns
+        once every one of them waits there; ``resume`` lets them go on. A later pause of another mode ends the keep:
+        parked generations go on, and ``wait`` waits for them to end."""
+        if abort and keep:
+            raise ValueError("a pause either aborts or keeps the generations in flight, not both")
         with self.cond:
             self.paused = True
+            self.holding = keep
             if abort:
                 self.abort_epoch += 1
-            while self.in_flight:
+            self.cond.notify_all()  # parked generations see an abort, or go on when the keep ends
+            while self.in_flight > (self.parked if keep else 0):
                 self.cond.wait()
 
     def resume(self) -> None:
         with self.cond:
             self.paused = False
+            self.holding = False
             self.cond.notify_all()
+
+    def park(self, epoch: int) -> str | None:
+        """Called by a generation between two decoding steps while ``holding``: wait until the keep pause ends and
+        no swap runs. Returns the weight version the generation goes on with, or ``None`` when ``/pause?mode=abort``
+        ended it meanwhile (``abort_epoch`` moved past ``epoch``)."""
+        with self.cond:
+            self.parked += 1
+            self.cond.notify_all()  # the pause waits for every generation in flight to park
+            try:
+                while (self.holding or self.swapping) and self.abort_epoch == epoch:
+                    self.cond.wait()
+            finally:
+                self.parked -= 1
+            return None if self.abort_epoch != epoch else self.weight_version
 
     @contextmanager
     def swapped(self) -> Iterator[None]:
-        """The block changes the weights: it runs once the generations in flight are done, and holds new ones back
-        until it ends."""
+        """The block changes the weights: it runs once the generations in flight are done or parked (a ``keep``
+        pause), and holds new ones back (and parked ones, until ``resume``) until it ends."""
         with self.cond:
             self.swapping = True
-            while self.in_flight:
+            while self.in_flight > self.parked:
                 self.cond.wait()
             try:
                 yield

@@ -321,7 +321,8 @@ class WeightReceiver:
         return {"weight_version": policy.weight_version, "model": self.model_name, "dtypes": policy.dtypes,
                 "device": str(policy.device), "num_parameters": len(policy.params), "updating": staging is not None,
                 "staged_parameters": len(staging) if staging is not None else 0, "receiving": self.receiving,
-                "paused": policy.paused, "reference_version": self.reference.version,
+                "paused": policy.paused, "in_flight": policy.in_flight, "parked": policy.parked,
+                "reference_version": self.reference.version,
                 "transfer_group": self.group is not None, "lora": self.adapter.info()}
 
     def weight_checker(self, body: dict, query: dict) -> dict:

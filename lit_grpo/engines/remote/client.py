@@ -105,6 +105,8 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         self.serves_reference = bool(serves_reference)
         #: called on every rank before each push (the asynchronous producer's ``drain``), see ``load_weights``
         self.before_push: list[Callable[[], None]] = []
+        #: partial rollouts (``keep_generating_through_pushes``): a push keeps the generations in flight
+        self.partial_rollouts = False
         self.pusher = WeightPusher(self.servers, options, self._server_dtype(options.dtype), policy)
         self.reference = ReferenceClient(self.servers[0], self.generate_timeout_s)
         self._merges_applied: int | None = None  # asked of the servers at the first LoRA push
@@ -114,6 +116,14 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         if options.keep_pushed_weights:
             self.kept_weights = KeptWeights(self._kept_policy, options.kept_weights_device)
         close_at_exit(self.close)  # the end of a fit run from the command line; a library user may call it sooner
+
+    def keep_generating_through_pushes(self) -> None:
+        """Partial rollouts (``data.partial_rollouts``): a policy push pauses the servers with ``/pause?mode=keep``
+        (the generations in flight stop at a token boundary, the weights are swapped, they go on under the new ones)
+        instead of waiting for them, and a completion may then carry several versions, each one this trainer pushed
+        (``Completion.versions`` and ``span_lengths``). Adapter pushes (``model.lora``) still wait."""
+        self.partial_rollouts = True
+        self.pusher.pause_mode = "keep"
 
     # ---- servers ------------------------------------------------------------------------------------
     def _server_dtype(self, requested: str | None) -> torch.dtype:
@@ -171,12 +181,21 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         if self.before_push and rank_and_world()[1] > 1:
             everyone(True)
 
+    def _pushing(self, step: int) -> None:
+        """Record the version a push is about to write: with partial rollouts a completion can carry it before the
+        push has returned (its request went on under it right after the swap)."""
+        for server in self.servers:
+            server.pushed_versions.add(str(int(step)))
+
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], step: int) -> None:
         """Push the full parameters to every server (``WeightPusher.push``: rank 0 sends, every rank gathers), then
         record the version the servers report. Raises ``ServerError`` on every rank if the push failed on any
         server; a server left behind keeps its previous weights and version."""
         self._before_push()
+        self._pushing(step)
+        # vLLM's LoRA labels a completion with the adapter it named: a reload of its base must not cut generations
+        self.pusher.pause_mode = "keep" if self.partial_rollouts and self.vllm_adapters is None else "wait"
         kept = self.kept_weights
         if kept is not None:  # copied as the push takes each tensor: no second gather
             named_tensors = kept.keeping(named_tensors)
@@ -235,6 +254,7 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
                              "follow the trainer's merges bitwise; restart it with that --dtype")
         held = self.merges_applied
         self._before_push()
+        self._pushing(step)
         start = {"lora": {"spec": update.spec, "merges": len(update.merges), "base_hash": update.base_hash}}
         tensors = [(f"merges.{i}.{name}", t) for i, merge in enumerate(update.merges) for name, t in merge.items()]
         tensors += list(update.adapter.items())
@@ -269,6 +289,7 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
                 lambda at: self.load_weights(base_named_tensors(self.pusher.policy()), at))
         if not self.vllm_adapters.sequence.needs_base(len(update.merges)):
             self._before_push()  # a base reload drains the producer itself
+        self._pushing(step)
         self.vllm_adapters.push(self.servers, update, step)  # raises on every rank together
         for server in self.servers:
             server.expected_version = str(int(step))
@@ -407,19 +428,21 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
                 raise ServerError(f"{where} returned a completion with a missing log-prob")
             if c.get("finish_reason") not in ("stop", "length"):
                 raise ServerError(f"{where} did not finish a completion (finish_reason={c.get('finish_reason')!r})")
-            spans = c.get("weight_versions")
-            spans = tuple(version_text(s.get("version")) for s in spans) if spans else ()
-            versions.update(spans)
-            unknown = unknown or not spans
+            labels, lengths = version_spans(c.get("weight_versions"), len(ids), where)
+            versions.update(labels)
+            unknown = unknown or not labels
             completions.append(Completion([int(t) for t in ids], [float(v) for v in logprobs],
-                                          truncated=c.get("finish_reason") == "length", versions=spans))
+                                          truncated=c.get("finish_reason") == "length", versions=labels,
+                                          span_lengths=lengths))
         if unknown:
             version = (version_text(response["weight_version"]) if "weight_version" in response
                        else version_text(server.client.get("/weight_info").get("weight_version")))
             versions.add(version)
             completions = [c if c.versions else replace(c, versions=(version,)) for c in completions]
         expected = server.expected_version
-        if expected is None or versions != {expected}:
+        if self.partial_rollouts and versions <= server.pushed_versions:
+            pass  # pushes keep the requests in flight: any version this trainer pushed (the newest may be under way)
+        elif expected is None or versions != {expected}:
             if expected is None:
                 raise ServerError(f"{where} holds weight version {sorted(map(str, versions))} and this trainer has "
                                   "pushed no weights to it yet: WeightSync (the `sync` section) pushes them when "
@@ -474,6 +497,31 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         update = AdapterUpdate(spec=json.loads(spec), merges=tuple(entries[self.merges_applied:]), adapter=state,
                                base_hash=base_hash(policy), step=int(step))
         self.load_adapter(update, step)
+
+
+def version_spans(spans: Any, length: int, where: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A completion's ``weight_versions`` as ``Completion.versions`` and ``span_lengths``: the version of each span,
+    and how many tokens each covered when there are several (``()`` for one span, the common case). Spans must cover
+    the ``length`` tokens back to back from 0 when there are several (one span is taken to cover every token, as
+    before partial rollouts: a ``with_adapter_versions`` label has no bounds); a ``ServerError`` otherwise."""
+    if not spans:
+        return (), ()
+    if not isinstance(spans, list) or not all(isinstance(s, dict) for s in spans):
+        raise ServerError(f"{where} returned weight_versions {spans!r}; expected a list of {{version, start, end}}")
+    labels = tuple(version_text(s.get("version")) for s in spans)
+    if len(spans) == 1:
+        return labels, ()
+    bounds = [(s.get("start"), s.get("end")) for s in spans]
+    at = 0
+    for start, end in bounds:
+        if not isinstance(start, int) or not isinstance(end, int) or start != at or end < start:
+            raise ServerError(f"{where} returned weight_versions spans {bounds} that do not cover the completion's "
+                              f"{length} tokens back to back from 0")
+        at = end
+    if at != length:
+        raise ServerError(f"{where} returned weight_versions spans {bounds} that do not cover the completion's "
+                          f"{length} tokens back to back from 0")
+    return labels, tuple(end - start for start, end in bounds)
 
 
 def check_servers(options: ServerOptions) -> None:

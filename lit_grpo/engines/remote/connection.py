@@ -24,6 +24,8 @@ class ServerConnection:
         self.host = parts.hostname
         self.client = HTTPClient(url, token, timeout_s)
         self.expected_version: str | None = None  # what this trainer last pushed to it
+        #: every version this trainer began to push to it (partial rollouts: a completion may carry any of them)
+        self.pushed_versions: set[str] = set()
         self.group = None
         self.store = None
         self.listener = None

@@ -96,9 +96,11 @@ def trainer_init_info(backend: str, address: str, world: int, rank: int, bucket_
 
 def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: torch.dtype,
               policy: Callable[[], nn.Module], iterator: Iterator[tuple[str, torch.Tensor]], step: int,
-              rank: int) -> dict:
+              rank: int, pause_mode: str = "wait") -> dict:
     """Every rank runs vLLM's ``send_weights`` (the sender broadcasts, the others only gather). The first
-    server consumes the given iterator; further servers gather the ``policy()`` again. Returns
+    server consumes the given iterator; further servers gather the ``policy()`` again. ``pause_mode``: ``wait``
+    for the requests in flight, or ``keep`` them (vLLM 0.32 freezes them in its scheduler with their KV caches and
+    labels their tokens' versions in ``weight_versions`` spans; partial rollouts). Returns
     ``{"error": message}`` or ``{"error": None, "versions": {url: version}}`` for the push to share over the
     ranks."""
     failed: list[str] = []
@@ -108,7 +110,7 @@ def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: to
         try:
             client, source, trainer = vllm_parts(server, options, dtype, policy, rank)
             if rank == 0:
-                server.client.post("/pause", query={"mode": "wait"})
+                server.client.post("/pause", query={"mode": pause_mode})
                 client.next_version = str(step)
             source.current = tensors
             trainer.send_weights()  # start -> update (with the broadcast) -> finish(weight_version)

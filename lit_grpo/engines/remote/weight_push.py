@@ -82,6 +82,9 @@ class WeightPusher:
         self.packed = bool(options.packed)
         self.dtype = dtype
         self._policy = policy
+        #: how a policy push pauses the servers: ``wait`` for the generations in flight to end, or ``keep`` them at a
+        #: token boundary, swap, and let them go on under the new weights (partial rollouts)
+        self.pause_mode = "wait"
         #: rank 0's timing of the last push to the project's servers: begin (pause, start), gather (the
         #: iterator: FSDP gathers and casts), send (pack, announce, broadcast), finish (swap, version, resume)
         self.last_push: dict[str, float] = {}
@@ -114,7 +117,7 @@ class WeightPusher:
             from lit_grpo.engines.remote.vllm_client import push_vllm
 
             outcome = push_vllm(self.servers, self.options, self.dtype, self.policy, iter(named_tensors),
-                                int(version), rank)
+                                int(version), rank, self.pause_mode)
         elif rank == 0:
             outcome = self._push(named_tensors, module, version, target, start)
         else:
@@ -199,9 +202,9 @@ class WeightPusher:
         if server.group is None or not info.get("transfer_group"):
             self._init_group(server)
         if target == "policy":
-            server.client.post("/pause", query={"mode": "wait"})
+            server.client.post("/pause", query={"mode": self.pause_mode})
             server.client.post("/start_weight_update")
-        elif target == "adapter":  # generation reads the adapter: paused like a policy push
+        elif target == "adapter":  # generation reads the adapter, which may change the served model: always waits
             server.client.post("/pause", query={"mode": "wait"})
             server.client.post("/start_weight_update", {"target": target, **(start or {})})
         else:  # generation goes on: it does not read pi_ref
