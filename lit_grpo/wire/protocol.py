@@ -15,7 +15,8 @@ The project's server (``python -m lit_grpo serve``) speaks the subset of ``vllm 
   whole request is one seeded call of ``TransformersEngine.generate``: the same tokens and log-probs as the
   in-process engine on the same weights and seed.
 - ``POST /pause?mode=abort|wait|keep`` (new requests get 503 until ``/resume``; ``keep`` parks the generations in
-  flight at a token boundary, and they go on after ``/resume``, under the weights pushed meanwhile), ``POST /resume``, ``GET /is_paused``.
+  flight at a token boundary, and they go on after ``/resume``, under the weights pushed meanwhile),
+  ``POST /resume``, ``GET /is_paused``.
 - ``GET /get_world_size`` (1), ``POST /init_weight_transfer_engine {"init_info": {master_address,
   master_port, rank_offset: 1, world_size: 2, backend: gloo|nccl, timeout_s, packed}}``,
   ``POST /shutdown_weight_transfer_engine``, ``POST /start_weight_update``,
