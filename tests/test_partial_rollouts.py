@@ -18,6 +18,7 @@ import torch
 from conftest import tiny_data
 from distributed_launch import free_port, launch
 from server_process import ServerProcess
+from test_rollout_server import perturbed
 
 from lit_grpo.data.staleness import (
     check_partial_rollouts,
@@ -53,15 +54,6 @@ def server(tmp_path_factory):
 def tiny():
     model, tokenizer = load_model_and_tokenizer("tiny-random-llama")  # the server builds the very same weights
     return model, tokenizer, [tokenizer.encode(t) for t in TEXTS]
-
-
-def perturbed(model, seed: int):
-    policy = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    return policy
 
 
 def in_flight(server: ServerProcess) -> int:
