@@ -105,13 +105,21 @@ def decode_with_swap(tiny, old, new, swap_at: int | None, seed: int, max_num_seq
     return engine.generate(prompts, 4, LONG, seed, all_finished=between)
 
 
-def test_a_push_mid_generation_keeps_the_sequences_and_labels_each_token_with_its_version(server, tiny):
-    torch.set_num_threads(1)  # as the server: the same kernels, the same numbers
+def keeping_engine(server: ServerProcess, tiny) -> ServerEngine:  # noqa: ANN001
+    """A client of ``server`` whose pushes keep the generations in flight, holding version 1 (the tiny model); one
+    thread here, as the server: the same kernels, the same numbers."""
+    torch.set_num_threads(1)
     model, tokenizer, _ = tiny
     engine = ServerEngine(url=server.url, token=server.token, bucket_mb=0.05,
                           stop_token_ids=eos_token_ids(tokenizer, model))
     engine.keep_generating_through_pushes()
     engine.load_weights(model.named_parameters(), 1)
+    return engine
+
+
+def test_a_push_mid_generation_keeps_the_sequences_and_labels_each_token_with_its_version(server, tiny):
+    model, _, _ = tiny
+    engine = keeping_engine(server, tiny)
     new = perturbed(model, 0)
     groups = push_mid_generation(server, tiny, engine, new, 2, seed=11)
     completions = [c for g in groups for c in g]
@@ -158,12 +166,8 @@ def capped_server(tmp_path_factory):
 
 
 def test_with_continuous_batching_each_row_changes_version_at_its_own_token(capped_server, tiny):
-    torch.set_num_threads(1)
-    model, tokenizer, _ = tiny
-    engine = ServerEngine(url=capped_server.url, token=capped_server.token, bucket_mb=0.05,
-                          stop_token_ids=eos_token_ids(tokenizer, model))
-    engine.keep_generating_through_pushes()
-    engine.load_weights(model.named_parameters(), 1)
+    model, _, _ = tiny
+    engine = keeping_engine(capped_server, tiny)
     new = perturbed(model, 2)
     completions = [c for g in push_mid_generation(capped_server, tiny, engine, new, 2, seed=13) for c in g]
     # the decoding step of the swap: the one after which the old weights' own decoding had given every row that
