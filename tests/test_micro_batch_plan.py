@@ -155,7 +155,7 @@ def test_forced_parts_are_what_the_ranks_agree_on():
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("mask,aggregation", [(True, "token_mean"), (False, "seq_mean_token_mean"),
                                                (True, "constant")])
-def test_token_budget_update_equals_row_slicing(tmp_path, mask, aggregation, packing):
+def test_token_budget_update_equals_row_slicing(tmp_path, monkeypatch, mask, aggregation, packing):
     """Two steps of the same fit with today's micro-batches of 4 rows and with a token budget small enough to cut
     another way: the same weights (1e-5, the suite's tolerance for 2 ranks against 1: AdamW's first steps move a
     parameter by about lr whatever its gradient's size, so float noise in a tiny gradient shows) and the same
@@ -163,8 +163,16 @@ def test_token_budget_update_equals_row_slicing(tmp_path, mask, aggregation, pac
     rows = equality_job(mask, aggregation, 2, str(tmp_path / "rows.pt"), "single")
     tokens = equality_job(mask, aggregation, 2, str(tmp_path / "tokens.pt"), "single", micro_batch_tokens=200)
     tokens["module"]["packing"] = packing
+    import lit_grpo.core.scoring as scoring
+
+    packed_calls = []
+    packed = scoring.packed_completion_logprobs
+    monkeypatch.setattr(scoring, "packed_completion_logprobs",
+                        lambda *args, **kwargs: packed_calls.append(1) or packed(*args, **kwargs))
     a = run_job(rows, str(tmp_path / "a"))
+    assert not packed_calls  # today's path packs nothing
     b = run_job(tokens, str(tmp_path / "b"))
+    assert bool(packed_calls) == packing  # the packed forward is what ran
     expected, got = torch.load(tmp_path / "rows.pt"), torch.load(tmp_path / "tokens.pt")
     assert max((expected[k] - got[k]).abs().max().item() for k in expected) <= 1e-5
     for x, y in zip(a["steps"], b["steps"], strict=True):
