@@ -71,10 +71,16 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         new = MOVED[spec.name]
         warnings.warn(f"{spec.name} moved to {new}; import it from there", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        # the import system sets the returned module's __spec__ to the old path's spec next; keep the new one, so
+        # that exec_module can put it back
+        spec.loader_state = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: :meth:`create_module` returned the already imported module."""
+        """Nothing to run (:meth:`create_module` returned the already imported module), but give it back its own
+        spec: with the old path's, ``importlib.reload`` of the new module would find this loader and run nothing."""
+        module.__spec__ = module.__spec__.loader_state
 
 
 class CheckoutFolders(importlib.abc.MetaPathFinder):

@@ -7,6 +7,7 @@ finds both top-level folders instead. The checkout here is the copy of the track
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,25 @@ def test_the_checkout_finder_answers_in_a_checkout_only(tmp_path, checkout):
         spec = finder.find_spec(name)
         assert (spec.origin if spec else None) == (str(tmp_path / folder / "__init__.py") if checkout else None)
     assert finder.find_spec("lit_grpo.data") is None and finder.find_spec("configs") is None
+
+
+# imports the old path first, then changes an attribute of the new module and reloads it: a reload runs the module's
+# code again, so the attribute is the module's own again (it used to stay changed: the old path's loader, which
+# runs nothing, had taken the new module's spec)
+RELOAD = '''import importlib, json, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+old = importlib.import_module("lit_grpo.import_paths")
+new = importlib.import_module("lit_grpo.core.import_paths")
+original = new.__doc__
+new.__doc__ = "changed"
+reloaded = importlib.reload(new)
+print(json.dumps({"same": old is new, "reloaded_is_new": reloaded is new, "restored": new.__doc__ == original,
+                  "spec": new.__spec__.name, "old_again": importlib.import_module("lit_grpo.import_paths") is new}))
+'''
+
+
+def test_a_reload_after_an_old_import_path_runs_the_new_module_again(tmp_path):
+    proc = run([sys.executable, "-c", RELOAD], cwd=tmp_path)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "same": True, "reloaded_is_new": True, "restored": True, "spec": "lit_grpo.core.import_paths",
+        "old_again": True}
