@@ -30,6 +30,7 @@ from lit_grpo.cli.progress import default_progress_bar
 from lit_grpo.core.checkpoints import CheckpointError
 from lit_grpo.core.quiet import quiet_lightning
 from lit_grpo.data.datamodule import RolloutDataModule
+from lit_grpo.data.fit_checks import decoupled_on_stale_server, stale_sampling
 from lit_grpo.engines.vllm_install import TRAINER_SIDE_IMPORTS, alias_refusal, vllm_problem
 from lit_grpo.evaluation.pass_at_k import (
     evaluate_pass_at_k_float32,
@@ -155,6 +156,7 @@ class GRPOCLI(OneLineErrorsCLI):
             self._check_one_process()
         if self.subcommand == "fit":
             self._check_vllm()
+            self._check_decoupled_server()
         precision = self._subcommand_config().get("trainer.precision")
         if precision is not None:
             try:  # the trainer is built after the model: check its precision before the model loads
@@ -181,6 +183,20 @@ class GRPOCLI(OneLineErrorsCLI):
             return
         if problem is not None:
             raise UsageError(problem, self._where(key))
+
+    def _check_decoupled_server(self) -> None:
+        """A ratio correction with ``old_policy: decoupled`` on the project's server where batches can be stale
+        (``lit_grpo.data.fit_checks.decoupled_on_stale_server``): the data module refuses it once the fit starts,
+        after the model loaded; refused here instead, before the data module asks the server anything."""
+        config = self._subcommand_config()
+        if config.get("data.engine") != "server":
+            return
+        keys = ("data.max_staleness", "sync.every_n_batches", "sync.delay_batches", "data.reuse_policy_logprobs")
+        stale = stale_sampling(*(config.get(key) for key in keys))
+        refused = decoupled_on_stale_server(config.get("model.correction"), config.get("data.engine_options"), stale)
+        if refused is not None:
+            key = next(k for k in keys if stale is not None and stale.startswith(f"{k}="))
+            raise UsageError(refused, f"{self._where('model.correction.mode')}; {self._where(key)}")
 
     def _check_no_second_section_callback(self) -> None:
         # The `sync` and `ref_swap` sections always add a WeightSync and a RefModelSwap; a second one under

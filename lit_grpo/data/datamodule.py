@@ -32,7 +32,11 @@ from lit_grpo.data.dynamic_sampling import DynamicSampling, Formed, OverlongPena
 from lit_grpo.data.fit_checks import (
     check_temperature_agrees,
     constant_normaliser_mismatch,
+    decoupled_on_stale_server,
     decoupled_without_recompute,
+    module_setting,
+    stale_sampling,
+    sync_schedule,
     unsynced_engine_warning,
 )
 from lit_grpo.data.multi_turn import MultiTurnOptions, TrajectoryRunner, trajectory_stats
@@ -387,6 +391,12 @@ class RolloutDataModule(L.LightningDataModule):
         # colocated vLLM never rescores: refused before it loads; the other engines say so once built (cheaply)
         if self.engine_kind == "vllm" and (refused := decoupled_without_recompute(module, False, "colocated vLLM")):
             raise ValueError(refused)
+        if isinstance(self.engine_options, ServerOptions):  # the project's server rescores fresh batches only
+            stale = stale_sampling(self.max_staleness, *sync_schedule(self.trainer.callbacks),
+                                   self.reuse_policy_logprobs)
+            if (refused := decoupled_on_stale_server(module_setting(module, "correction"), self.engine_options,
+                                                     stale)) is not None:
+                raise ValueError(refused)
         engine = self.rollout_engine = self.build_engine(module)
         if (refused := decoupled_without_recompute(module, engine.rescore, self.engine_description())) is not None:
             raise ValueError(refused)

@@ -1,6 +1,8 @@
 """What the data module checks of the LightningModule and the trainer when a fit starts, before any rollout: that the
 loss scores tokens at the temperature they were sampled with, that Dr.GRPO's constant normaliser is the generation
-budget, and that something keeps the rollout engine's weights in step with the policy.
+budget, that something keeps the rollout engine's weights in step with the policy, and that a sampler correction
+with ``old_policy: decoupled`` gets alpha from the weights that sampled (not the sampler's own report, which makes
+rho = 1).
 
 The LightningModule is read duck-typed, so that these checks apply to ``GRPOModule`` and stay out of the way of a
 module of one's own: a setting is compared only when the module exposes it (in ``hparams``, else as an attribute).
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from lit_grpo.engines.base import EngineSyncer, SamplingConfig
+from lit_grpo.math.corrections import RATIO_MODES
 
 
 def module_setting(module: Any, name: str) -> Any:
@@ -50,6 +53,58 @@ def decoupled_without_recompute(module: Any, rescores: bool, where: str) -> str 
     return (f"model.correction.old_policy 'decoupled' needs alpha recomputed from the rollout weights, which the "
             f"{where} does not do (it reports only the sampler's log-probs); use the in-process engine, "
             "data.engine_options.keep_pushed_weights: true for a server, or old_policy: proximal")
+
+
+def _field(group: Any, name: str, default: Any = None) -> Any:
+    """``name`` of an option group given as a mapping, a parsed namespace (its ``init_args`` when it names a
+    ``class_path``) or a dataclass; ``default`` when it is not set."""
+    init_args = group.get("init_args") if hasattr(group, "get") else None
+    group = init_args if init_args is not None else group
+    value = group.get(name) if hasattr(group, "get") else getattr(group, name, None)
+    return default if value is None else value
+
+
+def sync_schedule(callbacks: Iterable[object]) -> tuple[int, int]:
+    """``(v, d)`` of the fit's weight pushes: the largest ``every_n_batches`` and ``delay_batches`` of the callbacks
+    that sync the rollout engine (``WeightSync``); ``(1, 0)`` when none says otherwise."""
+    syncers = [c for c in callbacks if syncs_rollout_engine(c)]
+    interval = max((getattr(c, "every_n_batches", 1) for c in syncers), default=1)
+    delay = max((getattr(c, "delay_batches", 0) for c in syncers), default=0)
+    return interval, delay
+
+
+def stale_sampling(max_staleness: Any, sync_interval: Any = 1, delay_batches: Any = 0,
+                   reuse_policy_logprobs: Any = True) -> str | None:
+    """The setting, as ``key=value``, under which a remote engine's batch can be trained on without the trainer's
+    own log-probs of the weights that sampled it: one generated ahead (``data.max_staleness`` K >= 1), between
+    pushes (``sync.every_n_batches`` v > 1), or delivered late (``sync.delay_batches`` >= 1), or every batch when
+    the first forward is not reused as alpha (``data.reuse_policy_logprobs: false``). ``None`` at K = 0, v = 1,
+    d = 0: every batch is sampled by the current weights and alpha is pi_k."""
+    for key, value, fresh in (("data.max_staleness", max_staleness, 0), ("sync.every_n_batches", sync_interval, 1),
+                              ("sync.delay_batches", delay_batches, 0)):
+        if isinstance(value, int) and not isinstance(value, bool) and value > fresh:
+            return f"{key}={value}"
+    return "data.reuse_policy_logprobs=false" if reuse_policy_logprobs is False else None
+
+
+def decoupled_on_stale_server(correction: Any, engine_options: Any, stale: str | None) -> str | None:
+    """Why a ratio mode of ``model.correction`` (rho = pi_old / mu) with ``old_policy: decoupled`` would correct
+    nothing on the project's rollout server, or ``None``. The server reports only the sampler's log-probs; the
+    trainer's alpha is its own forward for a batch of its current weights, or with ``keep_pushed_weights`` the kept
+    copy's. Under ``stale`` (:func:`stale_sampling`) the other batches take the server's report as alpha, so
+    rho = 1 on them. The masks on pi_theta against mu still act (the loss then divides by mu); ``vllm serve`` and
+    ``rescore: false`` are :func:`decoupled_without_recompute`'s."""
+    mode, old_policy = _field(correction, "mode", "none"), _field(correction, "old_policy", "decoupled")
+    if stale is None or mode not in RATIO_MODES or old_policy != "decoupled":
+        return None
+    if _field(engine_options, "kind", "lit_grpo") != "lit_grpo" or _field(engine_options, "rescore") is False \
+            or _field(engine_options, "keep_pushed_weights") is True:
+        return None
+    return (f"model.correction.mode={mode!r} with old_policy 'decoupled' weighs by rho = alpha / mu, but with "
+            f"{stale} the project's rollout server cannot give alpha of the weights that sampled a batch (it reports "
+            "only the sampler's log-probs), so alpha = mu and rho = 1: nothing would be corrected; set "
+            "data.engine_options.keep_pushed_weights: true (the trainer keeps the pushed weights and recomputes "
+            "alpha), or model.correction.old_policy: proximal")
 
 
 def constant_normaliser_mismatch(module: Any, sampling: SamplingConfig) -> str | None:
