@@ -3,6 +3,7 @@ config end to end, and the default demo (the learnable synthetic task) wired up 
 in place of its warm-started one (the warm-start itself: tests/test_synthetic_task.py)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,23 @@ def test_default_demo_trains_and_evaluates_on_the_synthetic_task(tmp_path):
     # Pass@1 at the start (step 0), after step 2 and at the end (step 3): the before/after the README reports
     assert [step for step, _ in scalars["eval/pass@1"]] == [0, 2, 3]
     assert "eval/pass@8" in scalars
+    # what the terminal shows: each evaluation's Pass@k in one line of its own, the numbers that were logged; the
+    # model summary without Lightning's FLOPs (0: counted over an example input a GRPO module has none of); the bar
+    # without the logger's version
+    # (Pass@k on 8 questions x 8 samples is a multiple of 1/64, exact in the logged float32)
+    shown = {int(m["step"]): (m["p1"], m["p8"]) for m in PASS_AT_K_LINE.finditer(proc.stdout)}
+    logged = {step: (f"{p1:.3f}", f"{p8:.3f}")
+              for (step, p1), (_, p8) in zip(scalars["eval/pass@1"], scalars["eval/pass@8"])}
+    assert shown == logged
+    assert "Total params" in proc.stdout  # the summary is there: the FLOPs check can fail
+    assert "FLOPs" not in proc.stdout + proc.stderr
+    assert "step: 100%" in proc.stdout and "reward=" in proc.stdout  # the bar is there: the v_num check can fail
+    assert "v_num" not in proc.stdout + proc.stderr
+
+
+#: the line an evaluation of the demo prints (8 questions x 8 samples of the task's test split)
+PASS_AT_K_LINE = re.compile(r"^step (?P<step>\d+): pass@1 (?P<p1>\d\.\d{3}), pass@8 (?P<p8>\d\.\d{3}) on 8 "
+                            r"synthetic:add_2digit test questions \(x8 samples\)$", re.MULTILINE)
 
 
 def completions_logged(run_dir: Path) -> bool:

@@ -1,7 +1,8 @@
 """The command line's default progress bar counts optimizer steps out of ``trainer.max_steps`` (a GRPO fit is
 step-based: Lightning's epoch bar read ``Epoch 0/-2``), and gives way to a bar of the user's or to
 ``enable_progress_bar: false``; a fit's output carries neither transformers' ``past_key_values`` deprecation nor
-Lightning's litlogger tip."""
+Lightning's litlogger tip, nor the logger's version in the bar, nor the model summary's FLOPs (0: Lightning counts them
+over an example input)."""
 
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ def test_a_fit_shows_steps_out_of_max_steps_and_no_noise(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["lit_grpo"])  # LightningCLI reads sys.argv too; keep pytest's out of it
     cli = train(["fit", "--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--model.model_name", "tiny-random-llama",
-                 "--trainer.max_steps", "3", "--trainer.logger", "false", "--trainer.callbacks", "[]",
+                 "--trainer.max_steps", "3", "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+                 "--trainer.logger.save_dir", str(tmp_path), "--trainer.callbacks", "[]",
                  "--trainer.enable_checkpointing", "false", "--eval.at_start", "false", "--eval.at_end", "false",
                  "--data.prompts_per_step", "2", "--data.num_generations", "2", "--data.micro_batch_size", "4",
                  "--data.max_new_tokens", "4"])
@@ -32,6 +34,14 @@ def test_a_fit_shows_steps_out_of_max_steps_and_no_noise(tmp_path, monkeypatch, 
     assert "Epoch 0/" not in captured.out + captured.err
     assert "past_key_values" not in captured.err
     assert "litlogger" not in captured.out + captured.err
+    # the bar shows the run's numbers, not the logger's version (v_num)
+    postfix = bar.get_metrics(cli.trainer, cli.model)
+    assert "reward" in postfix and "v_num" not in postfix
+    assert "v_num" not in captured.out + captured.err
+    # the model summary is printed, without Lightning's FLOPs: counted over an example input that a GRPO module has
+    # none of, they read 0 (the update's FLOPs are logged as train/update_flops)
+    assert "Total params" in captured.out + captured.err
+    assert "FLOPs" not in captured.out + captured.err
 
 
 def test_the_default_bar_gives_way_to_a_given_bar_or_to_none():

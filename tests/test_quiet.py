@@ -2,6 +2,8 @@
 Lightning's litlogger tip and the colocated vLLM engine's configuration dump (lit_grpo/core/quiet.py)."""
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 from lightning.pytorch import Trainer
@@ -76,3 +78,61 @@ def test_torch_s_leafspec_deprecation_addressed_to_lightning_is_filtered():
     assert leafspec_warnings()  # the warning is there to filter: the check can fail
     quiet_lightning()
     assert leafspec_warnings() == []
+
+
+#: a line of the project that warns (rank_zero_warn in RolloutDataModule.check_fit): its text is what Python's
+#: default format echoes under the warning
+PROJECT_WARNING_LINE = "rank_zero_warn(message)"
+
+
+def project_warning_place() -> tuple[str, int]:
+    import lit_grpo.data.datamodule as datamodule
+
+    lines = Path(datamodule.__file__).read_text().splitlines()
+    return datamodule.__file__, next(i for i, line in enumerate(lines, 1) if line.strip() == PROJECT_WARNING_LINE)
+
+
+def warned_beside_a_bar(capfd, message: str, filename: str, lineno: int) -> str:
+    """What stderr shows when a warning comes while a progress bar is drawn on stderr (with ``one_line_warnings``
+    in place)."""
+    import warnings
+
+    from tqdm import tqdm
+
+    from lit_grpo.core.quiet import one_line_warnings
+
+    shown = warnings.showwarning
+    try:
+        one_line_warnings()
+        one_line_warnings()  # once is enough: twice wraps nothing twice
+        bar = tqdm(total=3, desc="step", file=sys.stderr, ascii=True)
+        bar.update(1)
+        capfd.readouterr()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn_explicit(message, UserWarning, filename, lineno)
+        bar.update(1)
+        bar.close()
+    finally:
+        warnings.showwarning = shown
+    return capfd.readouterr().err
+
+
+def screen_lines(err: str) -> list[str]:
+    """The lines a terminal keeps: what follows the last carriage return of each line."""
+    return [line.rsplit("\r", 1)[-1] for line in err.split("\n")]
+
+
+def test_a_project_warning_is_one_line_of_its_own_without_its_source_line(capfd):
+    filename, lineno = project_warning_place()
+    err = warned_beside_a_bar(capfd, "no callback keeps the engine in step", filename, lineno)
+    assert "UserWarning: no callback keeps the engine in step" in screen_lines(err), err
+    assert PROJECT_WARNING_LINE not in err and filename not in err
+
+
+def test_another_package_s_warning_keeps_its_format_on_a_line_of_its_own(capfd):
+    import lightning.pytorch.trainer.trainer as elsewhere
+
+    err = warned_beside_a_bar(capfd, "a warning of Lightning's", elsewhere.__file__, 1)
+    assert any(line.startswith(elsewhere.__file__) and line.endswith("a warning of Lightning's")
+               for line in screen_lines(err)), err

@@ -26,9 +26,9 @@ from lit_grpo.cli.commands import DEBUG_ENV, PROG, TOOLS, UsageError, main, one_
 from lit_grpo.cli.errors import OneLineErrorsCLI, held_back, report_usage_errors
 from lit_grpo.cli.hooks import build_model_last
 from lit_grpo.cli.predict import PredictOptions, prediction_rows, predictions, write_jsonl
-from lit_grpo.cli.progress import default_progress_bar
+from lit_grpo.cli.progress import default_progress_bar, without_flops_summary
 from lit_grpo.core.checkpoints import CheckpointError
-from lit_grpo.core.quiet import quiet_lightning
+from lit_grpo.core.quiet import one_line_warnings, quiet_lightning
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.data.fit_checks import decoupled_on_stale_server, stale_sampling
 from lit_grpo.engines.vllm_install import TRAINER_SIDE_IMPORTS, alias_refusal, vllm_problem
@@ -139,7 +139,10 @@ class GRPOCLI(OneLineErrorsCLI):
         # the default bar counts steps out of max_steps (lit_grpo.cli.progress), unless a bar is given or turned off
         if (bar := default_progress_bar(config, callbacks)) is not None:
             callbacks = [*callbacks, bar]
-        return super()._instantiate_trainer(config, callbacks)
+        trainer = super()._instantiate_trainer(config, callbacks)
+        # Lightning's model summary reads FLOPs 0 for a module without an example input: the column is left out
+        trainer.callbacks = without_flops_summary(trainer.callbacks)
+        return trainer
 
     def instantiate_classes(self) -> None:
         # build the model last, so that a bad value of the data module or a callback group (cheap to build, and
@@ -383,6 +386,7 @@ def train(args: list[str] | None = None) -> GRPOCLI:
     # together with the data position and counters of the same moment: exactly what an exact resume needs.
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     quiet_lightning()
+    one_line_warnings()  # a warning of the project is one line, and none is glued to the progress bar
     return report_usage_errors(
         # auto_configure_optimizers=False: no --optimizer / --lr_scheduler; the module's `model.optimizer` group
         # builds AdamW and its schedule (cli_errors.NOT_OFFERED says so to whoever asks for them)

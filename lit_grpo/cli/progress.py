@@ -4,17 +4,37 @@ A GRPO fit is step-based: ``trainer.max_steps`` ends it and ``max_epochs`` is le
 default bars, which count batches of an epoch out of ``max_epochs``, read ``Epoch 0/-2`` and restart at every pass
 over the prompts. This bar counts ``trainer.global_step`` (the optimizer steps, the unit of ``max_steps``, also
 with several optimizer steps per rollout batch) across epochs, from where a resumed run starts. A fit without
-``max_steps`` gets Lightning's epoch bar unchanged.
+``max_steps`` gets Lightning's epoch bar unchanged. Either way the bar shows the run's numbers (the reward), not the
+logger's version (``v_num``), which is the run's folder name and no measurement.
+
+The model summary printed at the start of a fit is Lightning's without its FLOPs column and total
+(:class:`ModelSummaryWithoutFlops`): Lightning counts them over a forward of the module's ``example_input_array``,
+which a GRPO module has none of (its batches are sampled), so they read 0; the update's FLOPs are measured and
+logged as ``train/update_flops`` (``lit_grpo/training/flops.py``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, TQDMProgressBar
+from lightning.pytorch.utilities.model_summary.model_summary import (
+    _format_summary_table,
+    get_formatted_model_size,
+    get_human_readable_count,
+)
 
 DESCRIPTION = "step"
+#: the progress bar's entry that names the logger's version, not a measurement of the run
+LOGGER_VERSION = "v_num"
+#: the model summary's column (and total) that Lightning fills only from an ``example_input_array``
+FLOPS_COLUMN = "FLOPs"
+#: the summary's columns whose numbers are right-aligned, as Lightning's rich summary aligns them
+RIGHT_ALIGNED = ("Params", "Params per Device", "In sizes", "Out sizes")
+#: the logger Lightning's text summary writes to (Lightning shows its records)
+log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -23,6 +43,12 @@ class StepProgressBar(TQDMProgressBar):
     @property
     def train_description(self) -> str:
         return DESCRIPTION if counts_steps(self.trainer) else super().train_description
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float | dict]:
+        """Lightning's entries without the logger's version (``v_num``)."""
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop(LOGGER_VERSION, None)
+        return metrics
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -69,6 +95,66 @@ def default_progress_bar(trainer_config: dict[str, Any], callbacks: list[Any]) -
     if any(isinstance(c, ProgressBar) for c in [*given, *callbacks]):
         return None
     return StepProgressBar()
+
+
+class ModelSummaryWithoutFlops(ModelSummary):
+    """Lightning's model summary without the FLOPs column and total (see the module's docstring): a rich table as
+    ``RichModelSummary`` prints it with ``rich``, else the text table of ``ModelSummary``."""
+
+    def __init__(self, max_depth: int = 1, rich: bool = False, **summarize_kwargs: Any) -> None:
+        super().__init__(max_depth, **summarize_kwargs)
+        self.rich = rich
+
+    # an instance method here (Lightning's is static, and called on the instance): the table depends on `rich`
+    def summarize(self, summary_data: list[tuple[str, list[str]]], total_parameters: int,  # type: ignore[override]
+                  trainable_parameters: int, model_size: float, total_training_modes: dict[str, int],
+                  total_flops: int, **summarize_kwargs: Any) -> None:
+        columns = without_flops(summary_data)
+        if self.rich:
+            rich_summary(columns, total_parameters, trainable_parameters, model_size, total_training_modes,
+                         summarize_kwargs.get("header_style", "bold magenta"))
+        else:
+            table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
+                                          total_flops, *columns)
+            log.info("\n" + "\n".join(line for line in table.splitlines() if "Flops" not in line))
+
+
+def without_flops(summary_data: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """The summary's columns (name, values) without the FLOPs column."""
+    return [(name, values) for name, values in summary_data if name != FLOPS_COLUMN]
+
+
+def rich_summary(columns: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
+                 model_size: float, total_training_modes: dict[str, int], header_style: str) -> None:
+    """Print the summary as Lightning's ``RichModelSummary`` does, with the given columns only."""
+    from rich import get_console
+    from rich.table import Table
+
+    console = get_console()
+    table = Table(header_style=header_style)
+    for name, _ in columns:
+        table.add_column(name, justify="right" if name in RIGHT_ALIGNED else "left", no_wrap=name == "Name",
+                         style="dim" if name == " " else None)
+    for row in zip(*(values for _, values in columns)):
+        table.add_row(*row)
+    console.print(table)
+    grid = Table.grid(expand=True)
+    grid.add_column()
+    for label, value in (("Trainable params", get_human_readable_count(trainable_parameters)),
+                         ("Non-trainable params", get_human_readable_count(total_parameters - trainable_parameters)),
+                         ("Total params", get_human_readable_count(total_parameters)),
+                         ("Total estimated model params size (MB)", get_formatted_model_size(model_size)),
+                         ("Modules in train mode", total_training_modes["train"]),
+                         ("Modules in eval mode", total_training_modes["eval"])):
+        grid.add_row(f"[bold]{label}[/]: {value}")
+    console.print(grid)
+
+
+def without_flops_summary(callbacks: list[Any]) -> list[Any]:
+    """``callbacks`` with Lightning's own model summary (``ModelSummary`` or ``RichModelSummary`` itself, not a
+    subclass of someone's) replaced by :class:`ModelSummaryWithoutFlops` of the same depth and options."""
+    return [ModelSummaryWithoutFlops(c._max_depth, rich=type(c) is RichModelSummary, **c._summarize_kwargs)
+            if type(c) in (ModelSummary, RichModelSummary) else c for c in callbacks]
 
 
 def _show(bar: Any, n: int) -> None:  # noqa: ANN401 -- a tqdm bar

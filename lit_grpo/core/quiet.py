@@ -10,12 +10,23 @@ line of that logger still shows.
   its engine in processes of its own, where ``VLLM_LOGGING_LEVEL=WARNING`` quiets it.
 - Lightning 2.6 builds ``torch.utils._pytree.LeafSpec``, which torch 2.13 deprecated (a ``FutureWarning`` at each
   fit, addressed to Lightning): that one warning is filtered by its text.
+
+And one thing is reshaped rather than dropped: Python prints a warning as ``path:line: Category: message`` followed by
+the source line that warned, appended to whatever the terminal's line holds, the progress bar's included. In the
+command line (:func:`one_line_warnings`) a warning of the project is one line, ``Category: message``, and every
+warning is written on a line of its own above the bar.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 import warnings
+from pathlib import Path
+from typing import TextIO
+
+from tqdm import tqdm
 
 #: the logger Lightning's ``rank_zero_info`` writes to, and a piece of the tip's text
 LIGHTNING_RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
@@ -58,3 +69,52 @@ def quiet_lightning() -> None:
 def quiet_vllm() -> None:
     """Drop vLLM's configuration dump at engine start (in this process)."""
     drop_messages(VLLM_ENGINE_CORE_LOGGER, VLLM_CONFIG_DUMP)
+
+
+def project_folders() -> tuple[Path, ...]:
+    """The folders of the project's code: the package's, and the callbacks' (a folder of its own in a checkout)."""
+    folders = []
+    for name in ("lit_grpo", "lit_grpo.callbacks"):
+        spec = importlib.util.find_spec(name)
+        folders += [Path(p).resolve() for p in (spec.submodule_search_locations or [])] if spec else []
+    return tuple(folders)
+
+
+def one_line(message: Warning | str, category: type[Warning]) -> str:
+    """A warning as one line, ``Category: message`` (a message of several lines joined by spaces)."""
+    text = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    return f"{category.__name__}: {text}"
+
+
+class OneLineWarnings:
+    """A ``warnings.showwarning`` that writes a warning of the project (one whose place is in
+    :func:`project_folders`) as :func:`one_line`, any other as ``warnings.formatwarning`` has it, and either on a
+    line of its own: through ``tqdm.write``, which lifts a progress bar drawn on the terminal out of the way and
+    draws it again below."""
+
+    def __init__(self, folders: tuple[Path, ...]) -> None:
+        self.folders = folders
+
+    def is_project(self, filename: str) -> bool:
+        try:
+            path = Path(filename).resolve()
+        except (OSError, ValueError):
+            return False
+        return any(path.is_relative_to(folder) for folder in self.folders)
+
+    def __call__(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: TextIO | None = None, line: str | None = None) -> None:
+        if self.is_project(filename):
+            text = one_line(message, category)
+        else:
+            text = warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n")
+        try:
+            tqdm.write(text, file=file if file is not None else sys.stderr)
+        except OSError:  # as Python's own showwarning: a closed or broken stream loses the warning, not the run
+            pass
+
+
+def one_line_warnings() -> None:
+    """From now on, show warnings as :class:`OneLineWarnings` does (once per process)."""
+    if not isinstance(warnings.showwarning, OneLineWarnings):
+        warnings.showwarning = OneLineWarnings(project_folders())
