@@ -114,12 +114,21 @@ class GSM8KPassAtK(Callback):
         if self.trajectories is None:
             self.rows = validate_rows(self.rows, self.source)  # single-turn: GSM8K's format, in one line if not
         elif self.rows and (self.interval.active or self.at_start or self.at_end):
-            # an environment that cannot start eval.dataset's first task fails now, not after training
-            try:
-                self.trajectories.prompt(self.rows[0])
-            except EnvironmentStartError as e:
-                raise ValueError(f"GSM8KPassAtK: dataset {self.source!r} holds no task the data's environment "
-                                 f"accepts ({e}); point it at the environment's task rows") from e
+            self._check_tasks_start(getattr(datamodule, "rows", None))
+
+    def _check_tasks_start(self, training_rows: Sequence[dict] | None) -> None:
+        """An environment that cannot start ``dataset``'s first task fails now, not after training. It is blamed on
+        ``dataset`` only when the environment starts the training data's first task (``training_rows``): one that
+        starts no task at all (a ``reset()`` that always raises) is the environment's fault, said in its own line."""
+        try:
+            self.trajectories.prompt(self.rows[0])
+        except EnvironmentStartError as e:
+            if training_rows:
+                self.trajectories.prompt(training_rows[0])  # raises the environment's own line when it fails too
+            raise EnvironmentStartError(f"GSM8KPassAtK: dataset {self.source!r} holds no task the environment "
+                                        f"{self.trajectories.environment_name} can start ({e}); point it at the "
+                                        f"environment's task rows", key="eval.dataset") from e
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.at_start and not self._evaluated_at(trainer.global_step):
             self.evaluate(trainer, pl_module)

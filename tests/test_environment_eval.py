@@ -9,7 +9,7 @@ import pytest
 
 from lit_grpo.cli.commands import main
 from lit_grpo.data.datamodule import RolloutDataModule
-from lit_grpo.data.multi_turn import MultiTurnOptions
+from lit_grpo.data.multi_turn import EnvironmentStartError, MultiTurnOptions
 from lit_grpo.data.rewards import RewardRunner
 from lit_grpo.engines.base import SamplingConfig
 from lit_grpo.evaluation.pass_at_k import PassAtKSettings, evaluate_pass_at_k
@@ -111,8 +111,10 @@ def test_an_eval_dataset_the_environment_cannot_start_is_refused_before_training
     evaluation = GSM8KPassAtK(dataset="synthetic:add_2digit", num_samples=2, num_questions=2, at_start=True)
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, callbacks=[WeightSync(), evaluation, Count()])
-    with pytest.raises(ValueError, match=r"synthetic:add_2digit test.*KeyError: 'target'.*point it at"):
+    with pytest.raises(EnvironmentStartError, match=r"synthetic:add_2digit test.*KeyError: 'target'.*point it at") \
+            as error:
         trainer.fit(module, data)
+    assert error.value.key == "eval.dataset"  # the command line's error line names the option
     assert steps == []
     # with evaluation off, the same dataset is never started: the fit trains
     off = GSM8KPassAtK(dataset="synthetic:add_2digit", every_n_optimizer_steps=None, at_end=False)

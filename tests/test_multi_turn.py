@@ -129,7 +129,9 @@ def test_environments_of_one_task_must_start_alike():
 
 
 def test_an_environment_that_fails_to_start_is_one_line():
-    with pytest.raises(EnvironmentStartError, match=r"KeyError: 'target'") as error:
+    with pytest.raises(EnvironmentStartError, match=r"^the environment toy_environments:GuessTheNumber could not "
+                                                     r"start the task \{'goal': 1\}: building it raised KeyError: "
+                                                     r"'target'$") as error:
         run(GuessTheNumber, [{"goal": 1}], 2, count_up)
     assert "\n" not in str(error.value)
 
@@ -237,7 +239,8 @@ def test_an_environment_failing_on_the_whole_first_batch_stops_the_fit(tmp_path)
         trainer.fit(tiny_module(), datamodule=data)
     message = str(error.value)
     assert "\n" not in message
-    assert "failed on all 4 trajectories of the first batch (RuntimeError: the environment broke)" in message
+    assert message.startswith("the environment toy_environments:Broken failed on all 4 trajectories of the first "
+                              "batch (the first on the task {'target': 1}: RuntimeError: the environment broke)")
 
 
 # ---- the command line ------------------------------------------------------------------------------------------

@@ -206,3 +206,38 @@ class RowVerdict:
 
     def step(self, completion: str) -> tuple[None, float, bool]:
         return None, self.verdict, True
+
+
+class ResetRaises(Broken):
+    """An environment whose ``reset()`` raises, whatever the row."""
+
+    def reset(self) -> str:
+        raise RuntimeError("reset broke")
+
+
+class ResetOutOfShape(Broken):
+    """An environment whose ``reset()`` answers with a number, not a message."""
+
+    def reset(self):
+        return 42
+
+
+class ObservationRole(GuessTheNumber):
+    """GuessTheNumber answering in a role of its own (``observation``), which many chat templates refuse."""
+
+    def step(self, completion: str):
+        reply, reward, done = super().step(completion)
+        return ([{"role": "observation", "content": reply}] if reply else None), reward, done
+
+
+#: a chat template that raises on a role it does not know, as the Llama-2, Mistral and Gemma templates do (their
+#: ``raise_exception`` text), with the character tokenizer's ChatML markers
+STRICT_ROLES_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Only user, assistant and system roles are supported!') }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)

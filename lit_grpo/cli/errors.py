@@ -25,6 +25,7 @@ from lit_grpo.cli.hooks import key_of_parse_error, object_under_construction
 from lit_grpo.cli.option_hints import option_hint
 from lit_grpo.core.checkpoints import Checkpoint, CheckpointError
 from lit_grpo.data.sampler_check import SamplerMismatchError
+from lit_grpo.environments.protocol import EnvironmentFault
 
 __all__ = ["HeldBack", "OneLineErrorsCLI", "held_back", "report_usage_errors"]
 T = TypeVar("T")
@@ -161,16 +162,18 @@ class OneLineErrorsCLI(LightningCLI):
 
 
 def report_usage_errors(build: Callable[[], T]) -> T:
-    """``build()`` (which makes a :class:`OneLineErrorsCLI`), with a usage error (or the rollout engine's sampler
-    mismatch, found at the first batch) printed as one line and exit status 2, or re-raised under ``LIT_GRPO_DEBUG``;
-    the held-back log lines are let out unless the error is printed."""
+    """``build()`` (which makes a :class:`OneLineErrorsCLI`), with a usage error (or what the run finds once it
+    started: the rollout engine's sampler mismatch, an environment that cannot start a task or fails on the whole
+    first batch) printed as one line and exit status 2, or re-raised under ``LIT_GRPO_DEBUG``; the held-back log
+    lines are let out unless the error is printed."""
     try:
         return build()
-    except (UsageError, ArgumentError, SamplerMismatchError) as err:
+    except (UsageError, ArgumentError, SamplerMismatchError, EnvironmentFault) as err:
         held_back.stop(replay=debug())
         if debug():
             raise
-        where = "data.engine_options and the server's flags" if isinstance(err, SamplerMismatchError) else "arguments"
+        where = "data.engine_options and the server's flags" if isinstance(err, SamplerMismatchError) \
+            else err.key if isinstance(err, EnvironmentFault) else "arguments"
         fail(err if isinstance(err, UsageError) else UsageError(str(err), where))
     finally:
         held_back.stop()  # no-op once stopped

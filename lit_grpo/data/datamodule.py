@@ -39,7 +39,7 @@ from lit_grpo.data.fit_checks import (
     sync_schedule,
     unsynced_engine_warning,
 )
-from lit_grpo.data.multi_turn import MultiTurnOptions, TrajectoryRunner, trajectory_stats
+from lit_grpo.data.multi_turn import MultiTurnOptions, TrajectoryRunner, row_name, trajectory_stats
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
 from lit_grpo.data.rewards import RewardFn, RewardRunner, reward_name
 from lit_grpo.data.rollout import BatchOrigin, PaddedRollouts, collate_rollouts, pad_rollouts, rollout_seed
@@ -64,7 +64,7 @@ from lit_grpo.engines.base import (
 )
 from lit_grpo.engines.options import ENGINE_OPTIONS, ServerOptions, TransformersOptions, VLLMOptions
 from lit_grpo.engines.options import engine_options as engine_options_of
-from lit_grpo.environments.protocol import resolve_environment
+from lit_grpo.environments.protocol import EnvironmentFault, resolve_environment
 from lit_grpo.environments.rendering import ConversationRenderer
 from lit_grpo.environments.tool_calls import resolve_tool_call_format
 from lit_grpo.environments.tools import ToolBox
@@ -72,8 +72,9 @@ from lit_grpo.math.overlong import soft_overlong_penalty
 from lit_grpo.models.loading import eos_token_ids, pad_token_id
 
 
-class EnvironmentFailure(RuntimeError):
-    """Every trajectory of the first batch ended in an environment error: the run stops in one line."""
+class EnvironmentFailure(EnvironmentFault):
+    """Every trajectory of the first batch ended in an environment error: the run stops in one line naming the
+    environment, the first failing row and its error."""
 
 
 #: the autocast dtype of Lightning's mixed precisions (the forward context of ``training_step``)
@@ -602,25 +603,29 @@ class RolloutDataModule(L.LightningDataModule):
         scored = self.reward_runner(texts, answers)
         rewards = [r + (c.trajectory["env_reward"] if c.trajectory is not None else 0.0)
                    for r, c in zip(scored.rewards, flat)]
-        self.count_env_errors(flat)
+        self.count_env_errors(flat, [self.rows[r] for r, g in zip(rows, groups) for _ in g])
         penalties = self.overlong_penalties(groups)
         if penalties is not None:
             rewards = [r + p for r, p in zip(rewards, penalties.tolist())]
         return Scored(rewards, scored.errors, scored.timeouts)
 
-    def count_env_errors(self, completions: list[Completion]) -> None:
+    def count_env_errors(self, completions: list[Completion], rows: list[dict[str, Any]] | None = None) -> None:
         """Count the trajectories whose environment raised or answered out of shape (``rollout/env_errors``), warn on
         the first, and stop the run in one line when every trajectory of the first batch failed so: it would train on
-        nothing but failures."""
-        records = [c.trajectory for c in completions if c.trajectory is not None]
-        if not records:
+        nothing but failures. ``rows``: each completion's task row, which the line names."""
+        tasks = [(c.trajectory, row) for c, row in zip(completions, rows or [None] * len(completions))
+                 if c.trajectory is not None]
+        if not tasks:
             return
-        errors = [r["env_error"] for r in records if r["env_error"] is not None]
+        failed = [(r["env_error"], row) for r, row in tasks if r["env_error"] is not None]
+        errors = [error for error, _ in failed]
         first_batch, self._env_checked = not getattr(self, "_env_checked", False), True
-        if first_batch and errors and len(errors) == len(records):
-            raise EnvironmentFailure(f"the environment failed on all {len(records)} trajectories of the first batch "
-                                     f"({errors[0]}); expected reset() -> str | list[dict] and step(completion) -> "
-                                     f"(reply, reward, done)")
+        if first_batch and errors and len(errors) == len(tasks):
+            name = self.trajectories.environment_name if self.trajectories is not None else "of data.environment"
+            task = f" on the task {row_name(failed[0][1])}" if failed[0][1] is not None else ""
+            raise EnvironmentFailure(f"the environment {name} failed on all {len(tasks)} trajectories of the first "
+                                     f"batch (the first{task}: {errors[0]}); expected reset() -> str | list[dict] and "
+                                     f"step(completion) -> (reply, reward, done)")
         if errors and self.env_errors == 0:
             rank_zero_warn(f"an environment failed ({errors[0]}): its trajectory ends there with the rewards it had; "
                            f"counted in rollout/env_errors (further failures are counted, not warned)")

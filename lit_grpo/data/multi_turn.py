@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lit_grpo.engines.base import Completion, Rollouts, SamplingConfig
-from lit_grpo.environments.protocol import EnvironmentShapeError, check_reset, check_step, close
+from lit_grpo.environments.protocol import (
+    EnvironmentFault,
+    EnvironmentShapeError,
+    check_reset,
+    check_step,
+    close,
+    environment_name,
+)
 from lit_grpo.environments.rendering import ConversationRenderer, RenderingError
 from lit_grpo.environments.tool_calls import ToolCallError, ToolCallParser
 from lit_grpo.environments.tools import ToolBox
@@ -135,6 +142,9 @@ class TrajectoryRunner:
     def __init__(self, environment: Callable[[dict[str, Any]], Any] | None, tools: ToolBox,
                  parse_tool_calls: ToolCallParser, renderer: ConversationRenderer, options: MultiTurnOptions) -> None:
         self.make_environment = environment or QuestionEnvironment
+        #: how errors name the environment, and the option they point at (the rows are the task with tools only)
+        self.environment_name = environment_name(self.make_environment)
+        self.environment_key = "data.environment" if environment is not None else "data.dataset"
         self.tools = tools
         self.parse_tool_calls = parse_tool_calls
         self.renderer = renderer
@@ -144,20 +154,38 @@ class TrajectoryRunner:
     # ---- the first prompt ---------------------------------------------------------------------------
     def start(self, row: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
         """A fresh environment for ``row`` and its first messages (system prompt first)."""
-        environment = None
+        environment, stage = None, "building it raised "
         try:
             environment = self.make_environment(row)
-            return environment, self.renderer.with_system(check_reset(environment.reset()))
+            stage = "reset() raised "
+            first = environment.reset()
+            stage = ""  # reset() answered: check_reset's own line says what is wrong with the answer
+            return environment, self.renderer.with_system(check_reset(first))
         except Exception as e:
             close(environment)
-            raise EnvironmentStartError(f"the environment for the task {_row_name(row)} failed to start: "
-                                        f"{type(e).__name__}: {e}") from e
+            raise self.start_error(row, f"{stage}{type(e).__name__}: {e}" if stage else str(e)) from e
+
+    def start_error(self, row: dict[str, Any], what: str) -> EnvironmentStartError:
+        """The one line saying that this environment could not start ``row``'s task, and ``what`` went wrong."""
+        return EnvironmentStartError(f"the environment {self.environment_name} could not start the task "
+                                     f"{row_name(row)}: {what}", self.environment_key)
+
+    def first_prompt(self, row: dict[str, Any], environment: Any,
+                     messages: list[dict[str, Any]]) -> tuple[list[int], str]:
+        """The prompt of ``row``'s task from its environment's first ``messages`` (ids and text); a template that
+        cannot render them means the task cannot start (``environment`` is then closed)."""
+        try:
+            return self.renderer.prompt(messages)
+        except RenderingError as e:
+            close(environment)
+            raise self.start_error(row, f"its first messages do not render: {e}") from e
 
     def prompt(self, row: dict[str, Any]) -> list[int]:
         """The prompt of ``row``'s task (a throwaway environment's first messages)."""
         environment, messages = self.start(row)
+        ids, _ = self.first_prompt(row, environment, messages)
         close(environment)
-        return self.renderer.prompt(messages)[0]
+        return ids
 
     # ---- sampling -----------------------------------------------------------------------------------
     def run(self, rows: list[dict[str, Any]], n: int, sample: Sample, sampling: SamplingConfig, seed: int,
@@ -179,11 +207,12 @@ class TrajectoryRunner:
                     if group and messages != group[0].conversation:
                         close(environment)
                         raise EnvironmentStartError(
-                            f"the environments of the task {_row_name(row)} start with different messages; the G "
-                            f"trajectories of a group must share their task (build the environment from the row "
-                            f"alone)")
+                            f"the environments {self.environment_name} of the task {row_name(row)} start with "
+                            f"different messages; the G trajectories of a group must share their task (build the "
+                            f"environment from the row alone)", self.environment_key)
                     # equal messages render equally: the group's prompt is rendered once
-                    ids, text = (group[0].prompt_ids, group[0].held_text) if group else self.renderer.prompt(messages)
+                    ids, text = (group[0].prompt_ids, group[0].held_text) if group \
+                        else self.first_prompt(row, environment, messages)
                     group.append(Trajectory(environment, ids, list(messages), text, messages=list(messages)))
                 prompts.append(group[0].prompt_ids)
             first = sample(prompts, n, sampling, seed)
@@ -306,9 +335,10 @@ class TrajectoryRunner:
                           "what the template gives at inference (counted in rollout/template_mismatch)", stacklevel=2)
 
 
-class EnvironmentStartError(RuntimeError):
-    """An environment could not start its task (the factory or ``reset`` raised, or G environments of one task
-    disagree): no prompt can be formed, so the run stops in one line."""
+class EnvironmentStartError(EnvironmentFault):
+    """An environment could not start its task (the factory or ``reset`` raised, ``reset`` answered out of shape,
+    the chat template cannot render its first messages, or G environments of one task disagree): no prompt can be
+    formed, so the run stops in one line naming the environment and the row."""
 
 
 def trajectory_stats(groups: list[list[Completion]]) -> dict[str, float]:
@@ -329,6 +359,7 @@ def trajectory_stats(groups: list[list[Completion]]) -> dict[str, float]:
             "truncated": truncated / count}
 
 
-def _row_name(row: dict[str, Any]) -> str:
+def row_name(row: dict[str, Any]) -> str:
+    """A task's row as messages name it: its ``question``, else the row itself, cut at 60 characters."""
     text = repr(row.get("question", row))
     return text[:60] + "..." if len(text) > 60 else text

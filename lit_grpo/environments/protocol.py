@@ -35,6 +35,16 @@ class EnvironmentShapeError(TypeError):
     """An environment answered with something that is not what the protocol says (one line naming it)."""
 
 
+class EnvironmentFault(RuntimeError):
+    """An environment cannot serve the run: it cannot start a task, or it failed on every trajectory of the first
+    batch. The message is one line naming the environment and the row; ``key`` is the option to look at, which the
+    command line prints after it, as it does a bad value's (``error: <message> (<key>)``, exit status 2)."""
+
+    def __init__(self, message: str, key: str = "data.environment") -> None:
+        super().__init__(message)
+        self.key = key
+
+
 @runtime_checkable
 class Environment(Protocol):
     """One trajectory's environment (the plain form; ``step`` may return a :class:`StepResult` instead)."""
@@ -64,6 +74,13 @@ def resolve_environment(spec: str | EnvironmentFactory) -> EnvironmentFactory:
         raise ValueError(f"data.environment must be an import path or a callable, got {type(spec).__name__}; "
                          f"{EXPECTED_FACTORY}")
     return resolve_callable(spec, "environment", EXPECTED_FACTORY)
+
+
+def environment_name(factory: object) -> str:
+    """How messages name an environment factory: its import path (``package.module:Name``) for a class or a function,
+    its class's for an instance with options bound (``OpenEnvFactory(...)``)."""
+    named = factory if isinstance(factory, type) or hasattr(factory, "__qualname__") else type(factory)
+    return f"{getattr(named, '__module__', '?')}:{getattr(named, '__qualname__', repr(named))}"
 
 
 def as_messages(value: object, what: str) -> Messages:

@@ -56,9 +56,16 @@ class ConversationRenderer:
         self._special_ids = frozenset(tokenizer.all_special_ids)  # a property transformers rebuilds on every read
 
     def render(self, messages: Messages, add_generation_prompt: bool) -> str:
+        """``messages`` as the chat template writes them. A template that raises on them (the Llama-2, Mistral and
+        Gemma templates ``raise_exception`` on a role they do not know, or on roles that do not alternate) raises
+        :class:`RenderingError` in one line: the messages came from the environment, so the caller counts it as the
+        environment's error."""
         kwargs = {"tools": self.tools} if self.tools else {}
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  **kwargs)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as e:  # jinja2's TemplateError, or whatever the template's own code raises on a message
+            raise RenderingError(f"the chat template raised {type(e).__name__}: {' '.join(str(e).split())}") from e
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
