@@ -13,7 +13,8 @@ from dist_worker import run_job
 from test_multiprocess import equality_job
 
 from lit_grpo.core.batch import micro_batch_views, padding_tokens
-from lit_grpo.core.micro_batch_plan import length_order, padded_tokens, plan_by_tokens, split_into
+from lit_grpo.core.micro_batch_plan import length_order, packed_tokens, padded_tokens, plan_by_tokens, split_into
+from lit_grpo.core.packing import packed_token_count
 
 
 def random_rows(seed: int, rows: int) -> tuple[list[int], list[int], list[int]]:
@@ -23,7 +24,9 @@ def random_rows(seed: int, rows: int) -> tuple[list[int], list[int], list[int]]:
     return [rng.randint(1, 30) for _ in range(rows)], [prompt_of_group[g] for g in groups], groups
 
 
-def cost(rows: list[int], c: list[int], p: list[int], g: list[int]) -> int:
+def cost(rows: list[int], c: list[int], p: list[int], g: list[int], packed: bool = False) -> int:
+    if packed:
+        return packed_tokens([c[r] for r in rows], [p[r] for r in rows])
     return padded_tokens([c[r] for r in rows], [p[r] for r in rows], [g[r] for r in rows])
 
 
@@ -45,17 +48,25 @@ def test_padded_tokens_counts_rows_times_longest_plus_prompts_times_longest_prom
     assert padded_tokens([], [], []) == 0
 
 
+def test_packed_tokens_counts_each_row_with_its_own_prompt_and_no_padding():
+    # rows 5, 2, 3 of prompts of 4, 4 and 7 tokens: each fed as prompt + completion but its last token
+    assert packed_tokens([5, 2, 3], [4, 4, 7]) == (4 + 5 - 1) + (4 + 2 - 1) + (7 + 3 - 1)
+    assert packed_tokens([0, 3], [4, 4]) == 4 + 3 - 1  # an empty completion is not fed at all
+    assert packed_tokens([], []) == 0
+
+
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_plan_is_the_fewest_contiguous_runs_within_the_budget(seed):
+def test_plan_is_the_fewest_contiguous_runs_within_the_budget(seed, packed):
     c, p, g = random_rows(seed, 8)
     budget = random.Random(seed).randint(30, 120)
-    plan = plan_by_tokens(c, p, g, budget)
+    plan = plan_by_tokens(c, p, g, budget, packed=packed)
     assert sorted(r for run in plan for r in run) == list(range(8))
     assert all(run == sorted(run) for run in plan)
-    assert all(cost(run, c, p, g) <= budget or len(run) == 1 for run in plan)
+    assert all(cost(run, c, p, g, packed) <= budget or len(run) == 1 for run in plan)
     order = length_order(c, g)
     feasible = [cuts for cuts in contiguous_cuts(order)
-                if all(cost(run, c, p, g) <= budget or len(run) == 1 for run in cuts)]
+                if all(cost(run, c, p, g, packed) <= budget or len(run) == 1 for run in cuts)]
     assert len(plan) == min(len(cuts) for cuts in feasible)
     # rows of one micro-batch are neighbours in the length order: the padding is what sorting leaves
     position = {row: i for i, row in enumerate(order)}
@@ -69,15 +80,26 @@ def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own():
     assert plan[0] == [0] and sorted(r for run in plan for r in run) == [0, 1, 2]
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("seed,parts", [(s, k) for s in range(4) for k in (1, 2, 3, 5, 8)])
-def test_split_into_gives_exactly_parts_with_the_smallest_largest_cost(seed, parts):
+def test_split_into_gives_exactly_parts_with_the_smallest_largest_cost(seed, parts, packed):
     c, p, g = random_rows(seed, 8)
-    plan = split_into(c, p, g, parts)
+    plan = split_into(c, p, g, parts, packed=packed)
     assert len(plan) == parts and all(plan)
     assert sorted(r for run in plan for r in run) == list(range(8))
-    best = min(max(cost(run, c, p, g) for run in cuts)
+    best = min(max(cost(run, c, p, g, packed) for run in cuts)
                for cuts in contiguous_cuts(length_order(c, g)) if len(cuts) == parts)
-    assert max(cost(run, c, p, g) for run in plan) == best
+    assert max(cost(run, c, p, g, packed) for run in plan) == best
+
+
+def test_a_packed_plan_pays_for_each_rows_prompt():
+    """A group of 4 rows of 5 tokens after a 100-token prompt: 120 padded tokens (the prompt once), but 416 packed
+    (each row carries its own copy); a 150-token budget holds the group in one padded forward, one row per packed
+    row."""
+    c, p, g = [5] * 4, [100] * 4, [0] * 4
+    assert plan_by_tokens(c, p, g, 150) == [[0, 1, 2, 3]]
+    assert plan_by_tokens(c, p, g, 150, packed=True) == [[0], [1], [2], [3]]
+    assert plan_by_tokens(c, p, g, 208, packed=True) == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("call, message", [
@@ -91,10 +113,10 @@ def test_bad_plans_are_refused_in_one_line(call, message):
     assert "\n" not in str(raised.value)
 
 
-def uneven_layout(seed: int = 0, prompts: int = 3, group: int = 4):
-    """A padded layout of uneven completions (1..40 tokens) and prompts (2..9 tokens)."""
+def uneven_layout(seed: int = 0, prompts: int = 3, group: int = 4, prompt_range: tuple[int, int] = (2, 10)):
+    """A padded layout of uneven completions (1..40 tokens) and prompts (2..9 tokens, or ``prompt_range``)."""
     gen = torch.Generator().manual_seed(seed)
-    prompt_lengths = torch.randint(2, 10, (prompts,), generator=gen)
+    prompt_lengths = torch.randint(*prompt_range, (prompts,), generator=gen)
     width = int(prompt_lengths.max())
     prompt_ids = torch.randint(3, 50, (prompts, width), generator=gen)
     prompt_mask = (torch.arange(width) >= width - prompt_lengths.unsqueeze(1)).long()
@@ -140,6 +162,22 @@ def test_sorting_by_length_pays_less_padding_than_slicing_in_order():
     assert padding_tokens(by_tokens)[0] == sum(mb.prompt_mask.numel() - mb.prompt_mask.sum()
                                                + mb.completion_mask.numel() - mb.completion_mask.sum()
                                                for mb in by_tokens)
+
+
+@pytest.mark.parametrize("budget", [60, 150, 400])
+def test_no_packed_row_is_longer_than_the_budget(budget):
+    """Under packing each micro-batch is fed as one row (``packed_token_count``), each completion after its own copy
+    of its prompt (here 40 to 99 tokens): the budget bounds that row, unless one sequence alone is longer; forced
+    into more parts, the longest packed row is no longer."""
+    layout = uneven_layout(seed=2, prompt_range=(40, 100))
+    views = list(micro_batch_views(*layout, 4, micro_batch_tokens=budget, packed=True))
+    assert sorted(torch.cat([mb.rows for mb in views]).tolist()) == list(range(12))
+    for mb in views:
+        assert int(packed_token_count(mb)) <= budget or mb.rows.numel() == 1, (budget, mb.rows)
+    parts = min(len(views) + 1, 12)
+    more = list(micro_batch_views(*layout, 4, micro_batch_tokens=budget, packed=True, parts=parts))
+    assert len(more) == parts
+    assert max(int(packed_token_count(mb)) for mb in more) <= max(int(packed_token_count(mb)) for mb in views)
 
 
 def test_forced_parts_are_what_the_ranks_agree_on():

@@ -182,3 +182,45 @@ def test_bad_layouts_are_refused() -> None:
     with pytest.raises(ValueError, match="at least one prompt token"):
         packed_layout(MicroBatch(mb.prompt_ids, empty, mb.prompt_index, mb.completion_ids, mb.completion_mask,
                                  mb.rows))
+
+
+# ---- the token budget under packing (data.micro_batch_tokens with model.packing) ---------------------------------
+
+def packed_fit(tmp_path, monkeypatch, micro_batch_tokens: int | None) -> list[tuple[int, int]]:
+    """One step of the tiny fit with ``model.packing``: ``(rows, tokens)`` of every packed row the module fed."""
+    from conftest import tiny_data, tiny_module, tiny_trainer
+    from lit_grpo.callbacks import WeightSync
+
+    import lit_grpo.core.scoring as scoring
+    from lit_grpo.core.packing import packed_token_count
+
+    fed: list[tuple[int, int]] = []
+    packed = scoring.packed_completion_logprobs
+
+    def recording(model, mb, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        fed.append((int(mb.completion_ids.shape[0]), int(packed_token_count(mb))))
+        return packed(model, mb, *args, **kwargs)
+
+    monkeypatch.setattr(scoring, "packed_completion_logprobs", recording)
+    module = tiny_module(packing=True, beta=0.1)  # pi_ref's pass is packed too
+    data = tiny_data(micro_batch_tokens=micro_batch_tokens, micro_batch_size=8)
+    tiny_trainer(tmp_path, 1, callbacks=[WeightSync()]).fit(module, datamodule=data)
+    return fed
+
+
+def test_the_budget_bounds_every_packed_row_the_module_feeds(tmp_path, monkeypatch, recwarn) -> None:
+    """The plan counts a shared prompt once; a packed row repeats it per completion. Planned with the packed cost,
+    no row the module feeds (policy, pi_ref) is longer than ``data.micro_batch_tokens``, unless one sequence alone
+    is; and the budget set, nothing is warned about packing."""
+    budget = 300  # the tiny data's prompts are 140 to 331 tokens: two short sequences fit, no group whole
+    fed = packed_fit(tmp_path, monkeypatch, budget)
+    assert fed and any(rows > 1 for rows, _ in fed)  # the budget packs several sequences per row
+    assert all(tokens <= budget or rows == 1 for rows, tokens in fed), fed
+    assert not [w for w in recwarn if "micro_batch_tokens" in str(w.message)]
+
+
+def test_packing_without_a_budget_is_warned_once_naming_the_option(tmp_path, monkeypatch, recwarn) -> None:
+    packed_fit(tmp_path, monkeypatch, None)
+    found = [str(w.message) for w in recwarn if "model.packing" in str(w.message)]
+    assert len(found) == 1 and "\n" not in found[0], found
+    assert "data.micro_batch_tokens" in found[0]

@@ -93,13 +93,14 @@ class RolloutBatch:
     def num_sequences(self) -> int:
         return int(self.completion_ids.shape[0])
 
-    def micro_batches(self, parts: int | None = None) -> Iterator[MicroBatch]:
+    def micro_batches(self, parts: int | None = None, packed: bool = False) -> Iterator[MicroBatch]:
         """Slices of ``micro_batch_size`` completions, in order, or with ``micro_batch_tokens`` the token-budget
-        micro-batches (``parts`` of them when given: what sharded ranks agree on); the same cut everywhere keeps
-        scoring by the rollout engine and by the policy bit-for-bit comparable."""
+        micro-batches (``parts`` of them when given: what sharded ranks agree on; ``packed``: costed as the packed
+        rows ``model.packing`` feeds); the same cut everywhere keeps scoring by the rollout engine and by the
+        policy bit-for-bit comparable."""
         return micro_batch_views(self.prompt_ids, self.prompt_mask, self.group_index, self.completion_ids,
                                  self.completion_mask, self.micro_batch_size, self.loss_mask,
-                                 self.micro_batch_tokens, parts)
+                                 self.micro_batch_tokens, parts, packed)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,11 +119,13 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
 def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor,
                       completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                       micro_batch_size: int, loss_mask: torch.Tensor | None = None,
-                      micro_batch_tokens: int | None = None, parts: int | None = None) -> Iterator[MicroBatch]:
+                      micro_batch_tokens: int | None = None, parts: int | None = None,
+                      packed: bool = False) -> Iterator[MicroBatch]:
     """The micro-batches of a padded rollout layout (``RolloutBatch.micro_batches``), each with the distinct
     prompts it needs and trimmed of the padding no row of it uses: contiguous slices of ``micro_batch_size``
-    completions, or with ``micro_batch_tokens`` the rows sorted by length and cut by that budget of padded tokens
-    (exactly ``parts`` micro-batches when given; ``lit_grpo.core.micro_batch_plan``). A rollout server scoring
+    completions, or with ``micro_batch_tokens`` the rows sorted by length and cut by that budget of padded tokens,
+    or with ``packed`` of packed-row tokens (exactly ``parts`` micro-batches when given;
+    ``lit_grpo.core.micro_batch_plan``). A rollout server scoring
     pi_ref gets exactly these micro-batches, so its numbers line up with the trainer's."""
     num_sequences = int(completion_ids.shape[0])
     if micro_batch_tokens is None:
@@ -131,7 +134,7 @@ def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group
     else:
         selections = [torch.tensor(rows, dtype=torch.long, device=completion_ids.device)
                       for rows in token_budget_rows(prompt_mask, group_index, completion_mask, micro_batch_tokens,
-                                                    parts)]
+                                                    parts, packed)]
     for rows in selections:
         groups = group_index[rows]
         unique, inverse = torch.unique(groups, sorted=True, return_inverse=True)
@@ -153,15 +156,15 @@ def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group
 
 
 def token_budget_rows(prompt_mask: torch.Tensor, group_index: torch.Tensor, completion_mask: torch.Tensor,
-                      budget: int, parts: int | None = None) -> list[list[int]]:
+                      budget: int, parts: int | None = None, packed: bool = False) -> list[list[int]]:
     """The rows of each token-budget micro-batch of a padded layout (``plan_by_tokens``, or ``split_into`` for
-    ``parts`` micro-batches), from its real lengths."""
+    ``parts`` micro-batches), from its real lengths; ``packed``: costed as packed rows."""
     completion_lengths = completion_mask.sum(1).tolist()
     groups = group_index.tolist()
     prompt_lengths = prompt_mask.sum(1)[group_index].tolist()
     if parts is None:
-        return plan_by_tokens(completion_lengths, prompt_lengths, groups, budget)
-    return split_into(completion_lengths, prompt_lengths, groups, parts)
+        return plan_by_tokens(completion_lengths, prompt_lengths, groups, budget, packed)
+    return split_into(completion_lengths, prompt_lengths, groups, parts, packed)
 
 
 def padding_tokens(micro_batches: list[MicroBatch]) -> torch.Tensor:

@@ -11,6 +11,11 @@ length share a micro-batch, and short ones are many to a pass.
 Only the partition changes: the loss weights divide by totals of the whole batch (``lit_grpo.math.aggregation``),
 so the update is the same sum over rows, whatever micro-batch each row is in.
 
+Packed (``model.packing``, :mod:`lit_grpo.core.packing`), a micro-batch is fed as ONE row of real tokens in which
+each completion carries its own copy of its prompt: its cost is then :func:`packed_tokens`, every row paying
+prompt + completion and none paying padding, so a group's prompt counts once per completion rather than once.
+The same greedy cut and bisection apply (``packed=True``); the budget then bounds the packed row's length.
+
 Sharded ranks (FSDP) must make the same number of forwards (each one gathers parameters together), so a plan can
 be asked for an exact number of micro-batches (:func:`split_into`): the ranks agree on the largest count any of
 them needs, and each cuts its own rows into that many runs with the smallest possible largest cost.
@@ -29,6 +34,20 @@ def padded_tokens(completion_lengths: Sequence[int], prompt_lengths: Sequence[in
     return len(completion_lengths) * max(completion_lengths) + len(set(groups)) * max(prompt_lengths)
 
 
+def packed_tokens(completion_lengths: Sequence[int], prompt_lengths: Sequence[int]) -> int:
+    """Tokens the packed row of these rows feeds the model (``lit_grpo.core.packing.packed_layout``): each row its
+    prompt and its completion but the last token (nothing for an empty completion), no padding."""
+    return sum(p + c - 1 for c, p in zip(completion_lengths, prompt_lengths) if c > 0)
+
+
+def micro_batch_cost(completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int],
+                     packed: bool = False) -> int:
+    """A micro-batch's cost in tokens: :func:`packed_tokens` when it is fed packed, else :func:`padded_tokens`."""
+    if packed:
+        return packed_tokens(completion_lengths, prompt_lengths)
+    return padded_tokens(completion_lengths, prompt_lengths, groups)
+
+
 def length_order(completion_lengths: Sequence[int], groups: Sequence[int]) -> list[int]:
     """Rows longest completion first; ties keep a group's rows together, then the rows' order (deterministic, so
     every process that plans the same batch gets the same micro-batches)."""
@@ -36,21 +55,26 @@ def length_order(completion_lengths: Sequence[int], groups: Sequence[int]) -> li
 
 
 def _cut(order: list[int], completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int],
-         budget: int) -> list[list[int]]:
-    """Greedy contiguous runs of ``order``, each within ``budget`` padded tokens; a row alone over the budget gets
-    a run of its own. Adding a row never lowers a run's cost, so greedy runs are the fewest possible."""
+         budget: int, packed: bool = False) -> list[list[int]]:
+    """Greedy contiguous runs of ``order``, each within ``budget`` tokens (padded, or ``packed``); a row alone over
+    the budget gets a run of its own. Adding a row never lowers a run's cost, so greedy runs are the fewest
+    possible."""
     runs: list[list[int]] = []
     current: list[int] = []
-    longest = prompt_longest = 0
+    longest = prompt_longest = fed = 0
     prompts: set[int] = set()
     for row in order:
         c, p, g = completion_lengths[row], prompt_lengths[row], groups[row]
-        grown = (len(current) + 1) * max(longest, c) + len(prompts | {g}) * max(prompt_longest, p)
+        if packed:  # the row's own prompt and completion are appended to the packed row
+            grown = fed + packed_tokens([c], [p])
+        else:
+            grown = (len(current) + 1) * max(longest, c) + len(prompts | {g}) * max(prompt_longest, p)
         if current and grown > budget:
             runs.append(current)
-            current, longest, prompt_longest, prompts = [], 0, 0, set()
+            current, longest, prompt_longest, fed, prompts = [], 0, 0, 0, set()
         current.append(row)
         longest, prompt_longest = max(longest, c), max(prompt_longest, p)
+        fed += packed_tokens([c], [p])
         prompts.add(g)
     if current:
         runs.append(current)
@@ -58,36 +82,37 @@ def _cut(order: list[int], completion_lengths: Sequence[int], prompt_lengths: Se
 
 
 def plan_by_tokens(completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int],
-                   budget: int) -> list[list[int]]:
-    """The fewest micro-batches of at most ``budget`` padded tokens each (a longer single row: one of its own),
-    cut from the rows sorted by :func:`length_order`. Each micro-batch lists its rows in ascending order."""
+                   budget: int, packed: bool = False) -> list[list[int]]:
+    """The fewest micro-batches of at most ``budget`` tokens each (padded tokens, or with ``packed`` the packed
+    row's; a longer single row: one of its own), cut from the rows sorted by :func:`length_order`. Each
+    micro-batch lists its rows in ascending order."""
     if budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
     _check_lengths(completion_lengths, prompt_lengths, groups)
     order = length_order(completion_lengths, groups)
-    return [sorted(run) for run in _cut(order, completion_lengths, prompt_lengths, groups, budget)]
+    return [sorted(run) for run in _cut(order, completion_lengths, prompt_lengths, groups, budget, packed)]
 
 
 def split_into(completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int],
-               parts: int) -> list[list[int]]:
+               parts: int, packed: bool = False) -> list[list[int]]:
     """Exactly ``parts`` micro-batches (``1 <= parts <= rows``) of the length-sorted rows, contiguous in that order,
-    whose largest padded cost is the smallest any such cut reaches (the least budget under which the greedy cut
-    needs at most ``parts`` runs, found by bisection; then the runs with most rows are halved until there are
-    ``parts``)."""
+    whose largest cost (padded, or ``packed``) is the smallest any such cut reaches (the least budget under which
+    the greedy cut needs at most ``parts`` runs, found by bisection; then the runs with most rows are halved until
+    there are ``parts``)."""
     _check_lengths(completion_lengths, prompt_lengths, groups)
     rows = len(completion_lengths)
     if not 1 <= parts <= rows:
         raise ValueError(f"cannot cut {rows} completions into {parts} micro-batches; expected 1 <= parts <= {rows}")
     order = length_order(completion_lengths, groups)
-    low = max(padded_tokens([completion_lengths[r]], [prompt_lengths[r]], [groups[r]]) for r in order)
-    high = padded_tokens(completion_lengths, prompt_lengths, groups)
+    low = max(micro_batch_cost([completion_lengths[r]], [prompt_lengths[r]], [groups[r]], packed) for r in order)
+    high = micro_batch_cost(completion_lengths, prompt_lengths, groups, packed)
     while low < high:
         middle = (low + high) // 2
-        if len(_cut(order, completion_lengths, prompt_lengths, groups, middle)) <= parts:
+        if len(_cut(order, completion_lengths, prompt_lengths, groups, middle, packed)) <= parts:
             high = middle
         else:
             low = middle + 1
-    runs = _cut(order, completion_lengths, prompt_lengths, groups, low)
+    runs = _cut(order, completion_lengths, prompt_lengths, groups, low, packed)
     while len(runs) < parts:
         widest = max(range(len(runs)), key=lambda i: (len(runs[i]), -i))
         run = runs[widest]

@@ -35,6 +35,7 @@ from lit_grpo.data.fit_checks import (
     decoupled_on_stale_server,
     decoupled_without_recompute,
     module_setting,
+    packing_without_budget,
     stale_sampling,
     sync_schedule,
     unsynced_engine_warning,
@@ -127,7 +128,9 @@ class RolloutDataModule(L.LightningDataModule):
             unused): the completions sorted by length, each pass at most this many tokens, padding included
             (rows x longest completion + distinct prompts x longest prompt; a longer single completion gets a pass
             of its own). On uneven lengths the update then pays for the tokens, not for each pass's longest row
-            (``train/padded_fraction``). None (default): ``micro_batch_size`` rows per pass, in order.
+            (``train/padded_fraction``). With ``model.packing`` a pass is one packed row and its tokens are that
+            row's (each completion with its own prompt, no padding). None (default): ``micro_batch_size`` rows per
+            pass, in order.
         max_new_tokens, temperature, top_p: sampling (log-probs use ``logits / temperature``). The one source of
             the sampling settings: a LightningModule with a ``temperature`` of its own (``GRPOModule``'s, which the
             CLI links to this one) must have this one when the fit starts, else the fit is refused.
@@ -428,10 +431,12 @@ class RolloutDataModule(L.LightningDataModule):
     def check_fit(self, module: L.LightningModule) -> None:
         """Before any rollout of a fit (``lit_grpo.data.fit_checks``): refuse a module whose loss uses another
         temperature than the rollouts are sampled at; warn when Dr.GRPO's constant normaliser is not
-        ``max_new_tokens``, and when no callback keeps the rollout engine's weights in step with the policy."""
+        ``max_new_tokens``, when no callback keeps the rollout engine's weights in step with the policy, and when
+        the module packs rows without a token budget to bound them."""
         check_temperature_agrees(module, self.sampling)
         for message in (constant_normaliser_mismatch(module, self.sampling),
-                        unsynced_engine_warning(self.trainer.callbacks, module)):
+                        unsynced_engine_warning(self.trainer.callbacks, module),
+                        packing_without_budget(module, self.micro_batch_tokens, self.micro_batch_size)):
             if message is not None:
                 rank_zero_warn(message)
 

@@ -124,7 +124,10 @@ class GRPOModule(L.LightningModule):
             padding (``lit_grpo.core.packing``: position ids restart per sequence; sdpa, eager and flex attention
             get a block-causal mask, flash attention its variable-length kernel). Each completion then carries its
             own copy of its prompt. Log-probs equal the padded path's within 1e-5 in float32. A model that cannot
-            pack is refused when the module is made.
+            pack is refused when the module is made. Set ``data.micro_batch_tokens`` with it: the budget then
+            bounds each packed row (every completion counted with its prompt, no padding); without one a packed row
+            is ``micro_batch_size`` whole sequences, which sdpa and eager attention mask densely at the square of
+            its length (on a CPU the demo's update ran 20x slower), warned about when the fit starts.
     """
 
     def __init__(
@@ -435,13 +438,13 @@ class GRPOModule(L.LightningModule):
     def micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
         """The batch's micro-batches. Token-budget ones (``data.micro_batch_tokens``) differ in number from rank to
         rank; every forward of a sharded (FSDP) model is a collective, so the ranks then agree on the largest number
-        any of them needs and each cuts its rows into that many."""
-        micro_batches = list(batch.micro_batches())
+        any of them needs and each cuts its rows into that many. Packed, the budget bounds the packed row."""
+        micro_batches = list(batch.micro_batches(packed=self.packing))
         if batch.micro_batch_tokens is None or rank_and_world()[1] == 1:
             return micro_batches
         count = torch.tensor(len(micro_batches), dtype=torch.long, device=self.device)
         parts = int(all_reduce(count, "max"))
-        return micro_batches if parts == len(micro_batches) else list(batch.micro_batches(parts))
+        return micro_batches if parts == len(micro_batches) else list(batch.micro_batches(parts, self.packing))
 
     def update_entropy_coefficient(self, totals: dict[str, torch.Tensor]) -> None:
         """TRL's adaptive entropy control after an optimizer step: the step's mean entropy over every rank's
