@@ -1,5 +1,6 @@
 """Environments that cannot serve a run are refused in one line naming the environment and the row; what a single
-trajectory's environment (or chat template) gets wrong ends that trajectory only.
+trajectory's environment (or chat template) gets wrong ends that trajectory only; an OpenEnv row cannot pick the
+server that scores its completions unless the factory allows it.
 
 Through the command line (``python -m lit_grpo fit``, run in this process: one model load per case, no new
 interpreter), each failure is one ``error:`` line and exit status 2: an environment failing on every trajectory of
@@ -18,6 +19,7 @@ from toy_environments import STRICT_ROLES_TEMPLATE, GuessTheNumber, ObservationR
 
 from lit_grpo.data.multi_turn import EnvironmentStartError, MultiTurnOptions, TrajectoryRunner
 from lit_grpo.engines.base import SamplingConfig
+from lit_grpo.environments.openenv import OpenEnvEnvironment, OpenEnvFactory
 from lit_grpo.environments.rendering import ConversationRenderer
 from lit_grpo.environments.tool_calls import parse_hermes
 from lit_grpo.environments.tools import ToolBox
@@ -141,3 +143,19 @@ def test_a_template_that_raises_on_the_first_messages_is_one_line_naming_the_env
         message = str(error.value)
         assert "\n" not in message and "ObservationFirst could not start the task {'target': 3}" in message
         assert "the chat template raised TemplateError: Only user, assistant and system roles" in message
+
+
+# ---- OpenEnv: a row's server address is opt-in (item 11) ------------------------------------------------------
+def test_an_openenv_rows_address_is_refused_unless_the_factory_allows_it():
+    row = {"seed": 1, "base_url": "http://elsewhere:9"}
+    for make in (lambda: OpenEnvFactory(base_url="http://configured:1")(row), lambda: OpenEnvEnvironment(row)):
+        with pytest.raises(ValueError) as error:
+            make()
+        message = str(error.value)
+        assert "\n" not in message
+        assert "the dataset row's 'base_url' 'http://elsewhere:9'" in message and "url_from_row=True" in message
+    # allowed explicitly, the row's address is the one used; a row without one keeps the factory's
+    assert OpenEnvFactory(base_url="http://configured:1", url_from_row=True)(row).base_url == "http://elsewhere:9"
+    assert OpenEnvFactory(base_url="http://configured:1")({"seed": 1}).base_url == "http://configured:1"
+    # the configured address repeated in a row changes nothing: it is not refused
+    assert OpenEnvFactory(base_url="http://elsewhere:9")(row).base_url == "http://elsewhere:9"

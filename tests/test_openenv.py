@@ -146,15 +146,15 @@ def test_an_action_function_shapes_the_completion(server_url):
         env.close()
 
 
-def test_the_rows_address_overrides_the_factorys(server_url):
+def test_the_rows_address_overrides_the_factorys_when_allowed(server_url):
     dead = f"http://127.0.0.1:{free_port()}"
-    env = OpenEnvFactory(base_url=dead)({"seed": 0, "base_url": server_url})
+    env = OpenEnvFactory(base_url=dead, url_from_row=True)({"seed": 0, "base_url": server_url})
     try:
         assert env.reset() == "Guess a number from 0 to 9."
     finally:
         env.close()
-    # the class itself is a factory when each row names its server
-    env = OpenEnvEnvironment({"base_url": server_url, "seed": 5})
+    # the class itself is a factory when each row names its server, allowed explicitly
+    env = OpenEnvEnvironment({"base_url": server_url, "seed": 5}, url_from_row=True)
     try:
         env.reset()
         assert env.step("5")[1:] == (1.0, True)

@@ -26,9 +26,11 @@ How a run names it. The data module calls the factory with a dataset row only, s
 
 - in Python, ``OpenEnvFactory(base_url=..., ...)`` is the factory itself; or bind it once in a module of your own
   (``echo = OpenEnvFactory(base_url="http://127.0.0.1:8000")``) and name it ``data.environment: my_envs:echo``;
-- ``data.environment: lit_grpo.environments.openenv:OpenEnvEnvironment`` with default options, when each row
-  carries its server's address in a ``base_url`` field (a row's address also overrides the factory's: rows can
-  spread over several servers).
+- rows that carry their server's address (a ``base_url`` field: rows spread over several servers) are taken only
+  with ``url_from_row: true`` in the factory's options. The server answers with the rewards, so a row's address
+  decides who scores the completions sent there; a dataset is data, and does not get to choose that unless the
+  config says so. Without the option, a row whose address differs from ``base_url`` is refused in one line, not
+  ignored: ignoring it would quietly play that task on another server than the one the dataset named.
 
 The server must allow as many sessions as trajectories run at once (``create_app(..., max_concurrent_envs=N)`` with
 an environment marked ``SUPPORTS_CONCURRENT_SESSIONS``); one more is refused with the server's message.
@@ -135,22 +137,21 @@ def observation_renderer(render: str | Callable[..., Any] | None, observation_fi
 class OpenEnvEnvironment:
     """One trajectory's OpenEnv session (the plain protocol: ``reset``, ``step``, ``close``).
 
-    ``row`` is the dataset row: its ``url_field`` (``base_url``) overrides ``base_url``; its fields named in
-    ``reset_fields`` (``seed``, ``episode_id``) go to the server's ``reset`` when present. The other options are
-    those of :class:`OpenEnvFactory`. Nothing is sent before ``reset()``.
+    ``row`` is the dataset row: with ``url_from_row``, its ``url_field`` (``base_url``) overrides ``base_url``
+    (else a row's address other than ``base_url`` is refused); its fields named in ``reset_fields`` (``seed``,
+    ``episode_id``) go to the server's ``reset`` when present. The other options are those of
+    :class:`OpenEnvFactory`. Nothing is sent before ``reset()``.
     """
 
     def __init__(self, row: dict[str, Any], base_url: str | None = None, action_field: str = "message",
                  observation_field: str | None = None, action: str | Callable[..., Any] | None = None,
                  render: str | Callable[..., Any] | None = None,
                  reset_fields: Sequence[str] = ("seed", "episode_id"), url_field: str = "base_url",
-                 connect_timeout_s: float = 10.0, message_timeout_s: float = 60.0) -> None:
+                 url_from_row: bool = False, connect_timeout_s: float = 10.0,
+                 message_timeout_s: float = 60.0) -> None:
         if not isinstance(row, dict):
             raise TypeError(f"OpenEnvEnvironment takes a dataset row (a dict), got {type(row).__name__}")
-        url = row.get(url_field, base_url)
-        if not isinstance(url, str) or not url:
-            raise ValueError(f"OpenEnv server address is {url!r}; expected base_url='http://host:port' in the "
-                             f"factory's options or a {url_field!r} field in the dataset row")
+        url = server_address(row, base_url, url_field, url_from_row)
         if isinstance(reset_fields, str):
             raise ValueError(f"reset_fields={reset_fields!r}; expected a list of row field names")
         self.base_url = url
@@ -212,12 +213,29 @@ class OpenEnvEnvironment:
             raise RuntimeError(f"OpenEnv server at {self.base_url} failed {what}(): {_one_line(e)}") from e
 
 
+def server_address(row: dict[str, Any], base_url: str | None, url_field: str, url_from_row: bool) -> str:
+    """The server a row's trajectory plays on: ``base_url``, or with ``url_from_row`` the row's ``url_field`` when it
+    has one. A row's address is refused unless allowed (it would pick the server that scores the completions), except
+    when it is ``base_url`` itself."""
+    row_url = row.get(url_field)
+    if row_url is not None and not url_from_row and row_url != base_url:
+        raise ValueError(f"the dataset row's {url_field!r} {row_url!r} would send its completions to another OpenEnv "
+                         f"server than base_url={base_url!r}, and that server gives the rewards; set "
+                         f"url_from_row=True in the factory's options to let rows name their server, or drop the "
+                         f"field from the rows")
+    url = row_url if row_url is not None and url_from_row else base_url
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"OpenEnv server address is {url!r}; expected base_url='http://host:port' in the factory's "
+                         f"options (or, with url_from_row=True, a {url_field!r} field in each dataset row)")
+    return url
+
+
 class OpenEnvFactory:
     """The ``data.environment`` factory for an OpenEnv server: options bound once, one
     :class:`OpenEnvEnvironment` per dataset row (``factory(row)``).
 
     Options:
-        base_url: the server (``http://host:port`` or ``ws://host:port``); a row's ``url_field`` overrides it.
+        base_url: the server (``http://host:port`` or ``ws://host:port``).
         action_field: the field of the server's action that receives the completion (``message`` for echo).
         observation_field: the observation field shown to the model; ``None``: the one string field, else JSON.
         action: an ``Action`` class, or a function ``text -> action`` (a dict or an ``Action``), or its import path.
@@ -225,6 +243,8 @@ class OpenEnvFactory:
             ``observation_field``.
         reset_fields: row fields passed to the server's ``reset`` when present (``seed``, ``episode_id``).
         url_field: the row field that holds a per-row server address.
+        url_from_row: let a row's ``url_field`` override ``base_url`` (off: such a row is refused, unless its address
+            is ``base_url``). The server gives the rewards, so only a config may let the data choose it.
         connect_timeout_s, message_timeout_s: the client's limits for connecting and for each answer.
     """
 
@@ -232,7 +252,8 @@ class OpenEnvFactory:
                  observation_field: str | None = None, action: str | Callable[..., Any] | None = None,
                  render: str | Callable[..., Any] | None = None,
                  reset_fields: Sequence[str] = ("seed", "episode_id"), url_field: str = "base_url",
-                 connect_timeout_s: float = 10.0, message_timeout_s: float = 60.0) -> None:
+                 url_from_row: bool = False, connect_timeout_s: float = 10.0,
+                 message_timeout_s: float = 60.0) -> None:
         self.options: dict[str, Any] = {
             "base_url": base_url, "action_field": action_field, "observation_field": observation_field,
             # resolved once here, so a bad import path fails when the run is configured, not per trajectory
@@ -241,7 +262,8 @@ class OpenEnvFactory:
             "render": _resolve(render, "render", "expected package.module:name of a function observation "
                                                  "dict -> text"),
             "reset_fields": tuple(reset_fields) if not isinstance(reset_fields, str) else reset_fields,
-            "url_field": url_field, "connect_timeout_s": connect_timeout_s, "message_timeout_s": message_timeout_s,
+            "url_field": url_field, "url_from_row": bool(url_from_row), "connect_timeout_s": connect_timeout_s,
+            "message_timeout_s": message_timeout_s,
         }
 
     def __call__(self, row: dict[str, Any]) -> OpenEnvEnvironment:
