@@ -1,6 +1,6 @@
-"""What a normal (non-editable) install gets: the wheel built from the tracked files holds exactly the package's
-tracked modules (``callbacks/`` as ``lit_grpo.callbacks``), its data assets and the shipped configs (``configs/``
-as ``lit_grpo.configs``), and a copy installed from that wheel
+"""What a normal (non-editable) install gets: the wheel that README's commands build from the tracked files holds
+exactly the package's tracked modules (``callbacks/`` as ``lit_grpo.callbacks``), its data assets and the shipped
+configs (``configs/`` as ``lit_grpo.configs``), and the copy README's install command makes of it
 imports every module, answers ``serve --help``, and serves and trains asynchronously on its own.
 
 The rest of the suite runs against the editable install, whose import hook serves any module from the source tree,
@@ -15,7 +15,6 @@ import json
 import os
 import select
 import subprocess
-import sys
 import time
 import zipfile
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from server_process import READY
-from wheel_install import GUARD, built_wheel, run, tracked_files
+from wheel_install import built_wheel, run, site_packages, tracked_files, venv_env, wheel_venv
 
 from lit_grpo.cli.commands import TOOLS
 
@@ -74,36 +73,30 @@ def tracked() -> list[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tracked, tmp_path_factory) -> Path:
-    """The wheel built from a copy of the tracked files only (built once a session: wheel_install.py)."""
+    """The wheel README's commands build in a copy of the tracked files only (once a session: wheel_install.py)."""
     return built_wheel(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def installed(wheel, tmp_path_factory) -> Iterator[dict]:
-    """The wheel installed with ``--target`` (its dependencies come from this environment), the environment and
-    working directory (not the checkout) of a process that must see that copy only, and a rollout server started
-    from it: it loads the model while the import checks run."""
-    root = tmp_path_factory.mktemp("installed")
-    site, guard, workdir = root / "site", root / "guard", root / "work"
-    guard.mkdir()
+    """The wheel installed by README's install command in a virtual environment (its dependencies come from this
+    environment), the environment and working directory (not the checkout) of a process that must see that copy
+    only, and a rollout server started from it: it loads the model while the import checks run."""
+    venv = wheel_venv(tmp_path_factory)
+    site, workdir = site_packages(venv), tmp_path_factory.mktemp("installed") / "work"
     workdir.mkdir()
-    (guard / "sitecustomize.py").write_text(GUARD)
-    run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check",
-         "--target", str(site), str(wheel)])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(guard)]), HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
-    env.pop("LIT_GRPO_SERVER_TOKEN", None)
+    env, python = venv_env(venv), str(venv / "bin" / "python")
     token = workdir / "token"
     token.write_text(os.urandom(16).hex())
     token.chmod(0o600)
     server_log = workdir / "server.log"
     with open(server_log, "w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "lit_grpo", "serve", "--model", "tiny-random-llama", "--port", "0",
+            [python, "-m", "lit_grpo", "serve", "--model", "tiny-random-llama", "--port", "0",
              "--token-file", str(token), "--threads", "1", "--device", "cpu"],
             cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
-        yield dict(site=site, env=env, cwd=workdir, server=server, server_log=server_log, token=token)
+        yield dict(site=site, python=python, env=env, cwd=workdir, server=server, server_log=server_log, token=token)
     finally:
         if server.poll() is None:
             server.kill()
@@ -137,7 +130,7 @@ def test_the_wheel_holds_exactly_the_tracked_modules_and_data(wheel, tracked):
 def test_the_installed_copy_imports_every_module_from_itself(installed, tracked):
     modules = sorted({module_name(f) for f in expected_wheel_files(tracked) if f.endswith(".py")})
     assert "lit_grpo.callbacks" in modules
-    proc = run([sys.executable, "-c", IMPORT_CHECK, str(installed["site"]), *modules], env=installed["env"],
+    proc = run([installed["python"], "-c", IMPORT_CHECK, str(installed["site"]), *modules], env=installed["env"],
                cwd=installed["cwd"])
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     assert Path(loaded["lit_grpo"]).resolve().is_relative_to(installed["site"].resolve()), loaded["lit_grpo"]
@@ -145,7 +138,7 @@ def test_the_installed_copy_imports_every_module_from_itself(installed, tracked)
 
 
 def test_the_installed_serve_command_answers_help(installed):
-    proc = run([sys.executable, "-m", "lit_grpo", "serve", "--help"], env=installed["env"], cwd=installed["cwd"])
+    proc = run([installed["python"], "-m", "lit_grpo", "serve", "--help"], env=installed["env"], cwd=installed["cwd"])
     assert "--model" in proc.stdout and "--token-file" in proc.stdout
 
 
@@ -155,7 +148,8 @@ def test_the_installed_copy_serves_and_trains_asynchronously(installed):
     workdir = installed["cwd"]
     url = wait_for_url(installed["server"], installed["server_log"], timeout_s=240.0)
     options = dict(url=url, token_file=str(installed["token"]), timeout_s=60)
-    run([sys.executable, "-m", "lit_grpo", "fit", "--seed_everything", "0", "--model.model_name", "tiny-random-llama",
+    run([installed["python"], "-m", "lit_grpo", "fit", "--seed_everything", "0",
+         "--model.model_name", "tiny-random-llama",
          "--data.engine", "server", "--data.engine_options", json.dumps(options), "--data.max_staleness", "1",
          "--data.prompts_per_step", "1", "--data.num_generations", "2", "--data.micro_batch_size", "2",
          "--data.max_new_tokens", "4", "--data.max_prompts", "4",

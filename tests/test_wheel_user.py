@@ -1,15 +1,17 @@
-"""The README's commands for a wheel install, run as its user would: in a virtual environment with the wheel
-installed (not the editable checkout), from a folder that is not the checkout, with ``python`` and ``lit-grpo``
-found on PATH. The configs come from the package (``python -m lit_grpo configs demo_cpu > demo.yaml``), and the
+"""The README's commands for a wheel install, run as its user would: the wheel built and installed by README's own
+Install commands (tests/wheel_install.py reads them from README and runs them), then, in that virtual environment
+(not the editable checkout), from a folder that is not the checkout, with ``python`` and ``lit-grpo`` found on
+PATH. The configs come from the package (``python -m lit_grpo configs demo_cpu > demo.yaml``), and the
 demo trains from that file, made tiny by command-line overrides as tests/test_cli_demo.py makes it."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import pytest
-from wheel_install import ROOT, run, venv_env, wheel_venv
+from wheel_install import ROOT, readme_wheel_commands, run, venv_env, wheel_venv
 
 from lit_grpo.cli.plots import read_scalars
 
@@ -17,6 +19,33 @@ from lit_grpo.cli.plots import read_scalars
 # 8 questions at the start and after step 2
 TINY = ("--model.model_name tiny-random-llama --trainer.max_steps 2 --data.prompts_per_step 2 "
         "--eval.num_questions 8 --eval.every_n_optimizer_steps 2")
+
+
+#: torch's CPU build, from PyTorch's CPU wheel index: from the default index a pinned torch is (on Linux) the CUDA
+#: build, several GB of CUDA libraries a CPU never uses
+CPU_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+
+
+def section(text: str, heading: str) -> str:
+    """The body of ``heading``'s section (up to the next heading of its level or above)."""
+    level = heading.split()[0]
+    return re.search(rf"^{re.escape(heading)}\n(.*?)(?=^#{{1,{len(level)}}} |\Z)", text, re.S | re.M).group(1)
+
+
+def test_every_cpu_install_takes_torch_s_cpu_build_and_the_wheel_is_built_from_a_checkout():
+    rows = [line for line in section((ROOT / "README.md").read_text(), "## Install").splitlines()
+            if line.startswith("| ") and "CPU" in line.split("|")[1]]
+    assert len(rows) == 3, rows  # the wheel, the checkout, CPU with vLLM
+    for row in rows:
+        first = re.findall(r"`([^`]+)`", row.split("|")[2])
+        assert first and (first[0] == CPU_TORCH or first[0].startswith(CPU_TORCH + " && ")), row
+    setup = section((ROOT / "CONTRIBUTING.md").read_text(), "## Set up")
+    assert re.search(r"^```bash\n(.*?)\n", setup, re.M).group(1) == CPU_TORCH
+    # the package is not on the index: the wheel row builds the wheel and installs the file that build writes
+    torch, build, install = readme_wheel_commands()
+    assert torch == CPU_TORCH
+    assert build.startswith("python -m pip wheel ") and build.endswith(" -w dist .")
+    assert install == "pip install dist/lit_grpo-*.whl"
 
 
 @pytest.fixture(scope="module")

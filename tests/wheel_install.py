@@ -2,14 +2,18 @@
 and shared by the tests of what a wheel user gets (test_wheel.py, test_wheel_user.py, test_checkout_shadowing.py):
 each build or install costs tens of seconds on a small machine.
 
-The environment is a plain ``venv --system-site-packages`` (the dependencies come from this environment, offline)
-with the wheel installed by ``pip install --no-deps``: its ``python`` and ``lit-grpo`` console script are what a
-person who ran ``pip install lit_grpo`` gets. The editable install of this environment is hidden from it (see
-:data:`GUARD`)."""
+Both are made by README's own commands, read from its Install row of a wheel install (:func:`readme_wheel_commands`)
+and run through bash as written, in a copy of the checkout: torch's CPU build, ``python -m pip wheel ...`` and
+``pip install dist/...``. They run in a plain ``venv --system-site-packages`` whose ``python`` and ``pip`` come first
+on PATH, and offline: pip's own environment variables turn the index and build isolation off
+(:data:`PIP_OFFLINE`), so the dependencies, torch included, are found installed in this environment. What the
+environment ends with is what a person who ran README's commands has: the wheel's ``python`` and ``lit-grpo``. The
+editable install of this environment is hidden from it (see :data:`GUARD`)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +22,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: README's Install row of a wheel install, the commands these tests run
+WHEEL_ROW = "| the package (a wheel), CPU |"
+#: pip offline, by its own environment variables, so that README's commands run unchanged: no index (torch and the
+#: dependencies are this environment's), and no build isolation (setuptools is this environment's; pip reads
+#: PIP_NO_BUILD_ISOLATION inverted: "0" turns isolation off)
+PIP_OFFLINE = {"PIP_NO_INDEX": "1", "PIP_NO_BUILD_ISOLATION": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+#: the venv's ``pip``: this environment's pip (seen through the system site-packages) run by the venv's python
+PIP_SCRIPT = '#!/bin/sh\nexec "$(dirname "$0")/python" -m pip "$@"\n'
 
 # Removes the editable install's import hook in the processes started from an installed copy: the hook finds a
 # submodule of `lit_grpo` in the source tree whenever the installed copy lacks it (and maps `lit_grpo.callbacks` to
@@ -26,7 +38,18 @@ GUARD = '''import sys
 sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
 '''
 
-_MADE: dict[str, Path] = {}  # what this session already built: "source", "wheel", "venv"
+_MADE: dict[str, Path] = {}  # what this session already built: "source", "bare venv", "wheel", "venv"
+
+
+def readme_wheel_commands() -> tuple[str, str, str]:
+    """The three commands of README's wheel row, in order: torch's CPU build, the wheel's build in a checkout, the
+    install of the built file."""
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(WHEEL_ROW)]
+    assert len(rows) == 1, f"README.md should have one install row starting {WHEEL_ROW!r}, has {len(rows)}"
+    commands = re.findall(r"`([^`]+)`", rows[0])
+    assert len(commands) == 3, f"README's wheel row should give three commands (torch, build, install): {commands}"
+    torch, build, install = commands
+    return torch, build, install
 
 
 def tracked_files() -> list[str]:
@@ -50,7 +73,7 @@ def run(cmd: list[str] | str, **kwargs) -> subprocess.CompletedProcess:
 
 def checkout_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the checkout's tracked files only: a stale build/ or *.egg-info of the checkout, or an untracked
-    module, cannot leak into the wheel built from it. The wheel is built in it, as ``pip install .`` does."""
+    module, cannot leak into the wheel built from it. README's build command runs in it, as in a checkout."""
     if "source" not in _MADE:
         source = tmp_path_factory.mktemp("checkout") / "lit_grpo_checkout"
         for name in tracked_files():
@@ -60,31 +83,53 @@ def checkout_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _MADE["source"]
 
 
+def bare_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A virtual environment over this one's packages (``--system-site-packages``), without the wheel yet: its
+    ``bin/python``, a ``bin/pip`` (:data:`PIP_SCRIPT`) and the :data:`GUARD`."""
+    if "bare venv" not in _MADE:
+        venv = tmp_path_factory.mktemp("venv") / "env"
+        # no pip of its own (ensurepip costs seconds): this environment's pip, seen through the system site-packages
+        run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
+        pip = venv / "bin" / "pip"
+        pip.write_text(PIP_SCRIPT)
+        pip.chmod(0o755)
+        (site_packages(venv) / "sitecustomize.py").write_text(GUARD)
+        _MADE["bare venv"] = venv
+    return _MADE["bare venv"]
+
+
+def readme_command(command: str, venv: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """Run one of README's commands through bash as written, with the venv first on PATH and pip offline."""
+    return run(command, shell=True, executable="/bin/bash", cwd=cwd, env={**venv_env(venv), **PIP_OFFLINE},
+               timeout=600)
+
+
 def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel of :func:`checkout_copy`. No build isolation: setuptools comes from this environment, offline."""
+    """The wheel that README's commands build in :func:`checkout_copy` (after its torch command)."""
     if "wheel" not in _MADE:
-        source = checkout_copy(tmp_path_factory)
-        dist = tmp_path_factory.mktemp("dist")
-        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-             "--disable-pip-version-check", "--wheel-dir", str(dist), str(source)])
-        (_MADE["wheel"],) = dist.glob("*.whl")
+        torch, build, _ = readme_wheel_commands()
+        source, venv = checkout_copy(tmp_path_factory), bare_venv(tmp_path_factory)
+        readme_command(torch, venv, source)
+        readme_command(build, venv, source)
+        (_MADE["wheel"],) = (source / "dist").glob("lit_grpo-*.whl")
     return _MADE["wheel"]
 
 
 def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A virtual environment with :func:`built_wheel` installed (``bin/python``, ``bin/lit-grpo``)."""
+    """The virtual environment with :func:`built_wheel` installed by README's install command (``bin/python``,
+    ``bin/lit-grpo``)."""
     if "venv" not in _MADE:
-        wheel = built_wheel(tmp_path_factory)
-        venv = tmp_path_factory.mktemp("venv") / "env"
-        # no pip of its own: this environment's pip, seen through the system site-packages, installs into it
-        run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
-        python = venv / "bin" / "python"
-        run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check",
-             str(wheel)])
-        purelib = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout
-        (Path(purelib.strip()) / "sitecustomize.py").write_text(GUARD)
+        built_wheel(tmp_path_factory)
+        venv = bare_venv(tmp_path_factory)
+        readme_command(readme_wheel_commands()[2], venv, checkout_copy(tmp_path_factory))
         _MADE["venv"] = venv
     return _MADE["venv"]
+
+
+def site_packages(venv: Path) -> Path:
+    """The venv's own site-packages, where the wheel is installed."""
+    purelib = run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    return Path(purelib.stdout.strip())
 
 
 def venv_env(venv: Path) -> dict[str, str]:
