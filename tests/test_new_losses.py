@@ -46,8 +46,10 @@ def k3(logp: float, ref: float) -> float:
     return math.exp(ref - logp) - (ref - logp) - 1.0
 
 
-def run(fn, config, log_ratios, advantages, weights, mask=None, alpha=None, ref=None, correction=None):
-    """Call loss ``fn`` with ``logp = alpha + log_ratios``: (loss, d loss / d logp, stats)."""
+def run(fn, config, log_ratios, advantages, weights, mask=None, alpha=None, ref=None, correction=None,
+        **optional):
+    """Call loss ``fn`` with ``logp = alpha + log_ratios`` (and ``optional``, e.g. ``policy_mask``, as float64
+    tensors): (loss, d loss / d logp, stats)."""
     log_ratios = torch.tensor(log_ratios, dtype=F64)
     alpha = torch.full_like(log_ratios, -1.0) if alpha is None else torch.tensor(alpha, dtype=F64)
     logp = (alpha + log_ratios).requires_grad_(True)
@@ -55,7 +57,8 @@ def run(fn, config, log_ratios, advantages, weights, mask=None, alpha=None, ref=
     loss, stats = fn(logp=logp, alpha_logp=alpha, advantages=torch.tensor(advantages, dtype=F64),
                      weights=torch.tensor(weights, dtype=F64), mask=mask, config=config, pik_logp=alpha,
                      ref_logp=None if ref is None else torch.tensor(ref, dtype=F64),
-                     correction=None if correction is None else torch.tensor(correction, dtype=F64))
+                     correction=None if correction is None else torch.tensor(correction, dtype=F64),
+                     **{key: torch.tensor(value, dtype=F64) for key, value in optional.items()})
     loss.backward()
     return loss.item(), logp.grad.tolist(), stats
 
@@ -341,6 +344,30 @@ def test_correction_scales_the_policy_term_only(name):
     logp = [[-1.0 + x for x in row] for row in ratios]
     extra = sum(0.3 * w[i][t] * (1 - c[i][t]) * k3(logp[i][t], ref[i][t]) for i in range(2) for t in range(3))
     assert with_c[0] == pytest.approx(folded[0] + extra, rel=1e-13)
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_LOSSES))
+def test_policy_mask_drops_the_policy_term_of_its_tokens_only(name):
+    """``policy_mask`` m (the top-entropy tokens) multiplies the policy term after the loss's own weighting and
+    leaves the KL term alone: loss(weights w, m) = loss(weights w * m) + beta * sum(w (1 - m) k3). For VESPO it
+    stays out of the sequence weight w_i, which the tokens of ``mask`` alone make (with w * m as the weights,
+    phi is that of the whole sequence)."""
+    gen = torch.Generator().manual_seed(11)
+    # ratios inside every clip band: the tokens the mask drops carry a policy term
+    ratios = (0.05 * torch.randn(2, 3, generator=gen, dtype=F64)).tolist()
+    ref = (-1.0 + 0.3 * torch.randn(2, 3, generator=gen, dtype=F64)).tolist()
+    w = [[0.2, 0.2, 0.2], [0.2, 0.2, 0.0]]
+    m = [[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]
+    wm = [[a * b for a, b in zip(x, y)] for x, y in zip(w, m)]
+    config = build_loss(name, None, 0.3).config
+    fn = BUILTIN_LOSSES[name].fn
+    masked = run(fn, config, ratios, [1.0, -0.5], w, mask=[[1, 1, 1], [1, 1, 0]], ref=ref, policy_mask=m)
+    folded = run(fn, config, ratios, [1.0, -0.5], wm, mask=[[1, 1, 1], [1, 1, 0]], ref=ref)
+    unmasked = run(fn, config, ratios, [1.0, -0.5], w, mask=[[1, 1, 1], [1, 1, 0]], ref=ref)
+    logp = [[-1.0 + x for x in row] for row in ratios]
+    extra = sum(0.3 * w[i][t] * (1 - m[i][t]) * k3(logp[i][t], ref[i][t]) for i in range(2) for t in range(3))
+    assert masked[0] == pytest.approx(folded[0] + extra, rel=1e-13)
+    assert masked[0] != pytest.approx(unmasked[0], rel=1e-6)  # the mask drops something
 
 
 @pytest.mark.parametrize("name", NEW_LOSSES)

@@ -2,8 +2,8 @@
 non-zero loss and gradient): ``grpo`` under three aggregations (TRL's ``grpo``, ``dapo``, ``dr_grpo``), ``gspo``
 (TRL's ``importance_sampling_level="sequence"``) and ``cispo`` (TRL's ``loss_type="cispo"``), with and without
 the KL term; ``sapo``, ``luspo``, ``vespo`` (with and without a token TIS ratio), ``delta``, the bias-corrected
-KL (``use_bias_correction_kl``) and ``top_entropy_quantile`` (``get_high_entropy_mask``); ``gmpo`` against TRL's
-experimental ``GMPOTrainer._compute_loss``.
+KL (``use_bias_correction_kl``) and ``top_entropy_quantile`` (``get_high_entropy_mask``) with every loss TRL has;
+``gmpo`` against TRL's experimental ``GMPOTrainer._compute_loss``.
 
 ``_compute_loss`` is private: it is called unbound, on a stand-in for the trainer that holds the attributes it
 reads, with the model's forward replaced by prepared log-probs. It was read for TRL 1.16, and the dev extra pins
@@ -120,9 +120,10 @@ def exact_weights(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
 
 
 def our_loss(data: dict, name: str, options: dict, aggregation: str, beta: float, weight_kind: str,
-             kl_bias_correction: bool = False, correction: torch.Tensor | None = None):
+             kl_bias_correction: bool = False, correction: torch.Tensor | None = None,
+             policy_mask: torch.Tensor | None = None):
     """Our loss ``name`` through the registry, with the aggregation's weights (the project's float32 ones, or
-    float64 ones written out): (loss, gradient, stats)."""
+    float64 ones written out), the sampler correction's weight and the top-entropy mask: (loss, gradient, stats)."""
     loss_fn = build_loss(name, {name: options}, beta, kl_bias_correction)
     logp = data["pi"].clone().requires_grad_(True)
     mask = data["mask"]
@@ -132,7 +133,7 @@ def our_loss(data: dict, name: str, options: dict, aggregation: str, beta: float
         weights = exact_weights(mask, aggregation)
     loss, stats = loss_fn.fn(logp=logp, alpha_logp=data["alpha"], advantages=data["advantages"], weights=weights,
                              mask=mask, config=loss_fn.config, pik_logp=data["alpha"], ref_logp=data["ref"],
-                             correction=correction)
+                             correction=correction, policy_mask=policy_mask)
     loss.backward()
     return loss.detach(), logp.grad, stats
 
@@ -237,8 +238,29 @@ NEW_CASES = {
                  {"tis": True}),
     "sapo_tis": (("sapo", "token", 0.2, 0.28, {"sapo_temperature_neg": 1.25}),
                  ("sapo", {"tau_neg": 1.25}, "seq_mean_token_mean"), {"tis": True}),
+    # the top-entropy mask with every loss TRL has: it multiplies the policy term after the loss's own weighting
+    # (VESPO's phi, the TIS ratio), never the KL term
     "dapo_top_entropy": (("dapo", "token", 0.2, 0.28, {}),
                          ("grpo", {"eps_low": 0.2, "eps_high": 0.28}, "token_mean"), {"entropy": 0.4}),
+    "grpo_top_entropy": (("grpo", "token", 0.2, 0.28, {}),
+                         ("grpo", {"eps_low": 0.2, "eps_high": 0.28}, "seq_mean_token_mean"), {"entropy": 0.4}),
+    "bnpo_top_entropy": (("bnpo", "token", 0.2, 0.28, {}),
+                         ("grpo", {"eps_low": 0.2, "eps_high": 0.28}, "token_mean"), {"entropy": 0.4}),
+    "dr_grpo_top_entropy": (("dr_grpo", "token", 0.2, 0.28, {}),
+                            ("grpo", {"eps_low": 0.2, "eps_high": 0.28}, "constant"), {"entropy": 0.4}),
+    "gspo_top_entropy": (("grpo", "sequence", 0.05, 0.08, {}),
+                         ("gspo", {"eps_low": 0.05, "eps_high": 0.08}, "seq_mean_token_mean"), {"entropy": 0.4}),
+    "cispo_top_entropy": (("cispo", "token", 0.2, 1.2, {}), ("cispo", {"eps_high": 0.2}, "token_mean"),
+                          {"entropy": 0.4}),
+    "sapo_top_entropy": (("sapo", "token", 0.2, 0.28, {"sapo_temperature_neg": 1.25}),
+                         ("sapo", {"tau_neg": 1.25}, "seq_mean_token_mean"), {"entropy": 0.4}),
+    "luspo_top_entropy": (("luspo", "sequence", 0.05, 0.08, {}),
+                          ("luspo", {"eps_low": 0.05, "eps_high": 0.08}, "seq_mean_token_sum"), {"entropy": 0.4}),
+    "vespo_top_entropy": (("vespo", "token", 0.2, 0.28, {}), ("vespo", {}, "token_mean"), {"entropy": 0.4}),
+    "vespo_tis_top_entropy": (("vespo", "token", 0.2, 0.28, {}), ("vespo", {}, "token_mean"),
+                              {"tis": True, "entropy": 0.4}),
+    "sapo_tis_top_entropy": (("sapo", "token", 0.2, 0.28, {"sapo_temperature_neg": 1.25}),
+                             ("sapo", {"tau_neg": 1.25}, "seq_mean_token_mean"), {"tis": True, "entropy": 0.4}),
     "cispo": (("cispo", "token", 0.2, 1.2, {}), ("cispo", {"eps_high": 0.2}, "token_mean"), {}),
     "gspo": (("grpo", "sequence", 0.05, 0.08, {}), ("gspo", {"eps_low": 0.05, "eps_high": 0.08},
                                                     "seq_mean_token_mean"), {}),
@@ -254,15 +276,18 @@ def new_case_differences(case: str, beta: float, bias: bool):
     trl_value, trl_grad, metrics = trl_loss(data, loss_type, level, beta, eps_low, eps_high,
                                             args={**args, "use_bias_correction_kl": bias},
                                             top_entropy_quantile=rho, is_ratio=ratio)
-    correction = None
+    correction = keep = None
     if ratio is not None:  # garbage on padding: our side must not read it
         correction = torch.where(data["mask"].bool(), ratio, 123.0)
-    if rho < 1.0:  # the entropy mask multiplies the policy term only, as TRL's: a correction
-        keep = high_entropy_mask(data["entropy"], data["mask"], rho)
+    if rho < 1.0:  # the entropy mask, apart from the correction: it multiplies the policy term after the loss's
+        keep = high_entropy_mask(data["entropy"], data["mask"], rho).double()  # weighting, as TRL's
         counted = int(data["mask"].sum())
         assert 0 < int(keep.sum()) < counted and not keep[data["mask"] == 0].any()
-        correction = keep.double() if correction is None else correction * keep
-    value, grad, stats = our_loss(data, name, options, aggregation, beta, "float64 weights", bias, correction)
+        # the mask drops a token of some sequence but not all of that sequence's tokens: folded into VESPO's
+        # sequence weight it would zero the whole sequence, which TRL does not
+        kept_per_sequence = keep.sum(-1)
+        assert ((kept_per_sequence > 0) & (kept_per_sequence < data["mask"].sum(-1))).any()
+    value, grad, stats = our_loss(data, name, options, aggregation, beta, "float64 weights", bias, correction, keep)
     assert abs(float(trl_value)) > 1e-3 and trl_grad.abs().max() > 1e-3, (case, trl_value)
     assert (grad[data["mask"] == 0] == 0).all()
     return float((value - trl_value).abs()), float((grad - trl_grad).abs().max()), stats, metrics

@@ -51,8 +51,8 @@ def cispo_weight(ratio: torch.Tensor, low: float | None, high: float) -> torch.T
 
 def cispo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                mask: torch.Tensor, config: CISPOOptions, pik_logp: torch.Tensor | None = None,
-               ref_logp: torch.Tensor | None = None,
-               correction: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               ref_logp: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+               policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO's loss (MiniMax 2025, section 3.1, the CISPO objective):
     ``sum_t w_t [-sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A log pi(y_t) + beta * KL_k3(pi || pi_ref)]``.
 
@@ -69,7 +69,7 @@ def cispo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.T
     weight = cispo_weight(ratio, low, high)
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     per_token, kl = with_kl_penalty(-(weight * adv) * logp, logp, ref_logp, config.beta, correction, raw_ratio,
-                                    config.kl_bias_correction)
+                                    config.kl_bias_correction, policy_mask)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():

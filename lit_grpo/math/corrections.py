@@ -46,6 +46,11 @@ DEFAULT_BOUNDS: dict[str, tuple[float | None, float | None]] = {
 }
 # modes whose (low, high) is a band [low, high] on one quantity; DPPO's two thresholds are independent
 _BAND_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop", "geometric_mask")
+#: the modes whose weight is a 0/1 keep mask, not an importance ratio: a loss multiplies it onto its policy term
+#: after its own weighting (TRL's off-policy mask), never into an importance weight (VESPO's w)
+MASK_MODES = ("geometric_mask", "off_policy_mask", "dppo_tv", "dppo_kl")
+#: the modes whose weight is one ratio per sequence, broadcast over the sequence's tokens
+SEQUENCE_RATIO_MODES = ("sequence_truncate", "sequence_mask")
 
 
 @dataclass(frozen=True)

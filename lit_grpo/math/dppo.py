@@ -94,14 +94,14 @@ def dppo_kl_keep(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: t
 
 def _dppo_loss(keep_fn: Callable[..., torch.Tensor], logp: torch.Tensor, alpha_logp: torch.Tensor,
                advantages: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, config: DPPOOptions,
-               ref_logp: torch.Tensor | None,
-               correction: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               ref_logp: torch.Tensor | None, correction: torch.Tensor | None,
+               policy_mask: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     ratio = torch.exp(logp - alpha_logp)
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     keep = keep_fn(logp, alpha_logp, advantages, config.delta_low, config.delta_high)
     per_token = -(ratio * adv) * keep.to(logp.dtype)
     per_token, kl = with_kl_penalty(per_token, logp, ref_logp, config.beta, correction, ratio,
-                                    config.kl_bias_correction)
+                                    config.kl_bias_correction, policy_mask)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():
@@ -114,8 +114,8 @@ def _dppo_loss(keep_fn: Callable[..., torch.Tensor], logp: torch.Tensor, alpha_l
 
 def dppo_tv_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                  mask: torch.Tensor, config: DPPOOptions, pik_logp: torch.Tensor | None = None,
-                 ref_logp: torch.Tensor | None = None,
-                 correction: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 ref_logp: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+                 policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-TV's loss (arXiv 2602.04879, eq. 13's mask M on the importance-weighted policy gradient):
     ``sum_t w_t [-(pi / alpha) A M_t + beta * KL_k3(pi || pi_ref)]``, ``M_t`` from :func:`dppo_tv_keep` between
     pi (detached) and alpha. Its gradient w.r.t. ``logp`` is ``-w_t (pi / alpha) A M_t`` (plus the KL's).
@@ -128,14 +128,16 @@ def dppo_tv_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch
 
     Statistics: a dropped token counts in ``clip_high`` (A > 0) or ``clip_low`` (A < 0), as PPO's clipped ones.
     """
-    return _dppo_loss(dppo_tv_keep, logp, alpha_logp, advantages, weights, mask, config, ref_logp, correction)
+    return _dppo_loss(dppo_tv_keep, logp, alpha_logp, advantages, weights, mask, config, ref_logp, correction,
+                      policy_mask)
 
 
 def dppo_kl_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                  mask: torch.Tensor, config: DPPOKLOptions, pik_logp: torch.Tensor | None = None,
-                 ref_logp: torch.Tensor | None = None,
-                 correction: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 ref_logp: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+                 policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-KL's loss (arXiv 2602.04879, eq. 14's mask M): as :func:`dppo_tv_loss` with ``M_t`` from
     :func:`dppo_kl_keep` (the Bernoulli KL(alpha(y) || pi(y)) beyond delta, in the advantage's direction).
     SkyRL's ``dppo_type="binary_kl"``, with the differences :func:`dppo_tv_loss` lists."""
-    return _dppo_loss(dppo_kl_keep, logp, alpha_logp, advantages, weights, mask, config, ref_logp, correction)
+    return _dppo_loss(dppo_kl_keep, logp, alpha_logp, advantages, weights, mask, config, ref_logp, correction,
+                      policy_mask)

@@ -50,8 +50,8 @@ def gmpo_clipped_log_ratio(log_ratio: torch.Tensor, advantages: torch.Tensor, ep
 
 def gmpo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
               mask: torch.Tensor, config: GMPOOptions, pik_logp: torch.Tensor | None = None,
-              ref_logp: torch.Tensor | None = None,
-              correction: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              ref_logp: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+              policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GMPO's loss (arXiv 2507.20673): ``-A_i exp(mean_t clip_A(log pi(y_it) - log alpha(y_it)))`` per sequence
     (:func:`gmpo_clipped_log_ratio`, the mean over the tokens of ``mask``), broadcast to its tokens, plus
     ``beta * KL_k3`` per token, weighted by ``weights``.
@@ -71,7 +71,7 @@ def gmpo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Te
     geo_mean = torch.exp(sequence_log_ratio(clipped, torch.zeros_like(clipped), mask))
     seq_ratio = torch.exp(sequence_log_ratio(logp, alpha_logp, mask))
     per_token, kl = with_kl_penalty(-(geo_mean * adv).expand_as(logp), logp, ref_logp, config.beta, correction,
-                                    seq_ratio, config.kl_bias_correction)
+                                    seq_ratio, config.kl_bias_correction, policy_mask)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():

@@ -62,8 +62,8 @@ def sequence_log_ratio(logp: torch.Tensor, alpha_logp: torch.Tensor, mask: torch
 
 def gspo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
               mask: torch.Tensor, config: GSPOOptions, pik_logp: torch.Tensor | None = None,
-              ref_logp: torch.Tensor | None = None,
-              correction: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              ref_logp: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+              policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO's loss (Zheng et al. 2025, eq. 5): ``-sum_t w_t [f_eps(s_i, r', A_i) - beta * KL_k3(pi || pi_ref)]``
     with ``s_i`` the sequence ratio of :func:`sequence_log_ratio` (eq. 7) and ``f_eps`` eq. 6's clipped surrogate.
 
@@ -92,7 +92,7 @@ def gspo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Te
     surrogate = clipped_surrogate(ratio, ref_ratio, adv, config.eps_low, eps_high, config.delta).expand_as(logp)
     # the bias-corrected KL takes the sequence ratio, [S, 1], as TRL's coef_1 at importance_sampling_level="sequence"
     per_token, kl = with_kl_penalty(-surrogate, logp, ref_logp, config.beta, correction, raw_ratio,
-                                    config.kl_bias_correction)
+                                    config.kl_bias_correction, policy_mask)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():

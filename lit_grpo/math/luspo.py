@@ -36,8 +36,8 @@ class LUSPOOptions(GSPOOptions):
 
 def luspo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                mask: torch.Tensor, config: LUSPOOptions, pik_logp: torch.Tensor | None = None,
-               ref_logp: torch.Tensor | None = None,
-               correction: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               ref_logp: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+               policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """LUSPO's loss (arXiv 2602.05261): ``(1 / #sequences) sum_i sum_t [-f_eps(s_i, r', A_i) + beta KL_k3(t)]``
     under ``seq_mean_token_sum`` weights, i.e. ``mean_i |y_i| (-f_eps(s_i, r', A_i)) + ...``, with ``s_i`` GSPO's
     sequence ratio (eq. 7 of GSPO) and ``f_eps`` eq. 6's clip (and ``delta``'s cap).
@@ -45,4 +45,5 @@ def luspo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.T
     Value, gradient and statistics are :func:`lit_grpo.math.gspo.gspo_loss`'s with these ``weights``; the
     bias-corrected KL (``kl_bias_correction``) takes the sequence ratio, as TRL's ``coef_1`` at the sequence level.
     """
-    return gspo_loss(logp, alpha_logp, advantages, weights, mask, config, pik_logp, ref_logp, correction)
+    return gspo_loss(logp, alpha_logp, advantages, weights, mask, config, pik_logp, ref_logp, correction,
+                     policy_mask)

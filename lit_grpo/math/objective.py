@@ -98,13 +98,16 @@ def check_delta(delta: float | None, eps_high: float) -> None:
 
 def with_kl_penalty(per_token: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor | None,
                     beta: float, correction: torch.Tensor | None = None, ratio: torch.Tensor | None = None,
-                    bias_correction: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Eq. 7's KL term added to a per-token policy loss, ``c * per_token + beta * KL_k3(pi || pi_ref)``, and the
-    KL values added (None at beta = 0, which needs no pi_ref and adds nothing).
+                    bias_correction: bool = False,
+                    policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Eq. 7's KL term added to a per-token policy loss, ``m * c * per_token + beta * KL_k3(pi || pi_ref)``, and
+    the KL values added (None at beta = 0, which needs no pi_ref and adds nothing).
 
     ``correction`` ``c`` (``[S, T]``, detached; None: 1) is the sampler correction's weight
     (:mod:`lit_grpo.math.corrections`): it scales the policy term only, as TRL, verl and SkyRL apply theirs; the
-    KL to pi_ref is a regulariser of pi alone, not an expectation over the sampler's tokens.
+    KL to pi_ref is a regulariser of pi alone, not an expectation over the sampler's tokens. ``policy_mask`` ``m``
+    (``[S, T]``, 0/1, detached; None: 1), the top-entropy tokens and the correction's keep masks, multiplies the
+    policy term alone too, after the loss's own weighting: TRL's ``entropy_mask`` and off-policy mask.
 
     ``bias_correction`` (``config.kl_bias_correction``) weights the k3 KL by ``ratio``, the importance ratio
     ``pi_theta / alpha`` the loss uses (``[S, T]``, or ``[S, 1]`` for a sequence-level loss's sequence ratio), WITH
@@ -115,6 +118,8 @@ def with_kl_penalty(per_token: torch.Tensor, logp: torch.Tensor, ref_logp: torch
     (TRL logs those too)."""
     if correction is not None:
         per_token = per_token * correction
+    if policy_mask is not None:
+        per_token = per_token * policy_mask
     if not beta > 0:
         return per_token, None
     if ref_logp is None:
@@ -129,8 +134,8 @@ def with_kl_penalty(per_token: torch.Tensor, logp: torch.Tensor, ref_logp: torch
 
 def grpo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
               mask: torch.Tensor, config: GRPOOptions, pik_logp: torch.Tensor | None = None,
-              ref_logp: torch.Tensor | None = None,
-              correction: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              ref_logp: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+              policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss to minimise, ``-sum_t w_t [f_eps(pi/alpha, r', A) - beta * KL_k3(pi || pi_ref)]`` (eq. 7; eq. 8 when
     the zero-variance mask is folded into ``weights``), and detached statistics.
 
@@ -154,7 +159,7 @@ def grpo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Te
     eps_high = config.eps_upper
     surrogate = clipped_surrogate(ratio, ref_ratio, adv, config.eps_low, eps_high, config.delta)
     per_token, kl = with_kl_penalty(-surrogate, logp, ref_logp, config.beta, correction, raw_ratio,
-                                    config.kl_bias_correction)
+                                    config.kl_bias_correction, policy_mask)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():

@@ -200,6 +200,7 @@ def reinforce_loss(
     coefficient: CoefficientFn = advantage_coefficient,
     regulariser: RegulariserFn | None = None,
     correction: torch.Tensor | None = None,
+    policy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Regularised group-relative REINFORCE (Yao et al. 2025, the REC / REP / RED families):
     ``sum(weights * (-M * c * w * log pi + regulariser + beta * k3))`` and grpo_loss's statistics.
@@ -225,7 +226,7 @@ def reinforce_loss(
     # The KL to pi_ref is not under the REC mask: M clips the policy-gradient term only (as grpo_loss, whose KL is
     # unclipped too).
     per_token, kl = with_kl_penalty(per_token, logp, ref_logp, config.beta, correction, raw_ratio,
-                                    config.kl_bias_correction)
+                                    config.kl_bias_correction, policy_mask)
     loss = (per_token * weights).sum()
 
     with torch.no_grad():
@@ -252,13 +253,13 @@ def _family_loss(
 
     def loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
              mask: torch.Tensor, config: LossConfig, pik_logp: torch.Tensor | None = None,
-             ref_logp: torch.Tensor | None = None,
-             correction: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             ref_logp: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+             policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # pik_logp is the contract's and not used: the family clips around 1, i.e. around alpha
         if not isinstance(config, config_type):
             raise ValueError(f"config of {name} must be a {config_type.__name__}, got {type(config).__name__}")
         return reinforce_loss(logp, alpha_logp, advantages, weights, mask, config, ref_logp, keep,
-                              importance_sampling, coefficient, regulariser, correction)
+                              importance_sampling, coefficient, regulariser, correction, policy_mask)
 
     # named as the module attribute it is bound to, so it reads (and pickles) like a plain function
     loss.__name__ = loss.__qualname__ = name

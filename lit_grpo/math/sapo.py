@@ -45,8 +45,8 @@ def sapo_gate(ratio: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
 
 def sapo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
               mask: torch.Tensor, config: SAPOOptions, pik_logp: torch.Tensor | None = None,
-              ref_logp: torch.Tensor | None = None,
-              correction: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              ref_logp: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+              policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO's loss (arXiv 2511.20347): ``sum_t w_t [-(4 / tau) sigmoid(tau (r_t - 1)) A + beta * KL_k3]`` with
     ``r_t = pi_theta / alpha`` and ``tau = tau_pos`` where A > 0, else ``tau_neg`` (as TRL's ``torch.where``).
 
@@ -60,7 +60,7 @@ def sapo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Te
     tau = torch.where(adv > 0, torch.tensor(config.tau_pos, dtype=logp.dtype, device=logp.device),
                       torch.tensor(config.tau_neg, dtype=logp.dtype, device=logp.device))
     per_token, kl = with_kl_penalty(-sapo_gate(ratio, tau) * adv, logp, ref_logp, config.beta, correction, ratio,
-                                    config.kl_bias_correction)
+                                    config.kl_bias_correction, policy_mask)
     loss = (per_token * weights).sum()
     m = mask.bool()
     none = torch.zeros_like(m)

@@ -5,7 +5,9 @@ normalised so that phi(1) = 1) fades out sequences far from the sampler on both 
 like ``e^(-lambda w)`` above.
 
 ``w`` is the product of the sequence's token ratios ``pi_theta / alpha`` (alpha the policy that sampled), not
-their geometric mean as GSPO's. A sampler correction enters it in log space (:func:`sequence_log_weight`).
+their geometric mean as GSPO's. A token-level sampler correction (an importance ratio) enters it in log space
+(:func:`sequence_log_weight`); a per-sequence ratio cannot (:data:`REFUSED_CORRECTIONS`); keep masks (the
+top-entropy tokens, the correction's masks) multiply the per-token term after phi, as TRL's.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_grpo.math.corrections import SEQUENCE_RATIO_MODES
 from lit_grpo.math.objective import LossConfig, token_stats, with_kl_penalty
 
 # TRL's clamps (get_gamma_weights): token log-ratios to [-20, 20], the sequence's log-weight to [log 1e-8, 20]
 TOKEN_LOG_RATIO_BOUND = 20.0
 LOG_WEIGHT_MIN = math.log(1e-8)
 LOG_WEIGHT_MAX = 20.0
+#: the sampler corrections VESPO refuses: a sequence's one ratio, broadcast over its tokens, would be added to the
+#: sequence's log-weight once per token (TRL accepts only its token modes with VESPO)
+REFUSED_CORRECTIONS = SEQUENCE_RATIO_MODES
 
 
 @dataclass(frozen=True)
@@ -91,13 +97,16 @@ def gamma_weight(log_w: torch.Tensor, advantages: torch.Tensor, config: VESPOOpt
 
 def vespo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                mask: torch.Tensor, config: VESPOOptions, pik_logp: torch.Tensor | None = None,
-               ref_logp: torch.Tensor | None = None,
-               correction: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               ref_logp: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+               policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """VESPO's loss (arXiv 2602.10693): ``sum_t w_t [-sg(phi(w_i)) A_i log pi(y_it) + beta * KL_k3]``, a REINFORCE
     pseudo-loss whose gradient w.r.t. ``logp`` is ``-w_t phi(w_i) A_i`` per token.
 
     ``correction`` enters ``w_i`` in log space (:func:`sequence_log_weight`) and is NOT also multiplied onto the
     per-token term, as TRL leaves its ``importance_sampling_ratio`` out of VESPO's term: phi already holds it.
+    ``policy_mask`` (the top-entropy tokens, the correction's keep masks) multiplies the per-token term after phi
+    and stays out of ``w_i``, as TRL's ``entropy_mask`` and off-policy mask: one masked token drops that token,
+    not its sequence.
     TRL normalises by the batch's tokens (``model.loss_aggregation: token_mean``). The bias-corrected KL takes
     the token ratio ``pi_theta / alpha`` (TRL runs VESPO at ``importance_sampling_level="token"``).
 
@@ -107,7 +116,7 @@ def vespo_loss(logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.T
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     phi = gamma_weight(sequence_log_weight(logp, alpha_logp, mask, correction), adv, config)
     per_token, kl = with_kl_penalty(-(phi * adv) * logp, logp, ref_logp, config.beta, None, ratio,
-                                    config.kl_bias_correction)
+                                    config.kl_bias_correction, policy_mask)
     loss = (per_token * weights).sum()
     m = mask.bool()
     none = torch.zeros_like(m)
