@@ -224,3 +224,69 @@ def test_the_module_hands_the_correction_weight_to_the_loss():
     got = gradients("module")
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-9)
     assert not torch.allclose(got, gradients(None), rtol=1e-3, atol=1e-7)
+
+
+def sampled_micro_batch(module, noise: float = 0.2):
+    """A handmade batch in one micro-batch whose sampler log-probs mu are pi_k's plus noise, and pi_k itself."""
+    from dataclasses import replace
+
+    from lit_grpo.core.scoring import completion_logprobs
+
+    module.manual_backward = lambda loss: loss.backward()  # no trainer: a plain backward
+    batch = handmade_batch([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0]], len(module.tokenizer), micro_batch_size=8)
+    (mb,) = list(batch.micro_batches())
+    with torch.no_grad():
+        pik, entropy = completion_logprobs(module.policy, mb, 1.0, with_entropy=True)
+    mu = pik + noise * torch.randn(pik.shape, generator=torch.Generator().manual_seed(3))
+    return replace(batch, sampler_logp=mu), mb, pik, mu, entropy
+
+
+def test_vespo_keeps_the_entropy_mask_out_of_its_sequence_weight():
+    """TRL's order: the sampler's TIS ratio enters VESPO's sequence weight w, and the top-entropy mask multiplies
+    the per-token term after phi(w). Folded into w, one masked token would send its whole sequence's phi to ~0."""
+    from lit_grpo.core.scoring import completion_logprobs
+    from lit_grpo.math.entropy_terms import high_entropy_mask
+    from lit_grpo.math.vespo import gamma_weight, sequence_log_weight
+
+    module = tiny_module(loss="vespo", correction=CorrectionOptions(mode="token_truncate", low=0.5, high=2.0,
+                                                                    old_policy="proximal"),
+                         entropy=EntropyOptions(top_entropy_quantile=0.5))
+    batch, mb, pik, mu, entropy = sampled_micro_batch(module)
+    weights = module.loss_weights(batch)
+    mask, adv = mb.loss_mask, mb.take(batch.advantages).unsqueeze(-1)
+    tis = torch.exp(pik - mu).clamp(0.5, 2.0)  # the correction's weight, written out
+    keep = high_entropy_mask(entropy, mask, 0.5).to(pik.dtype)
+    assert 0 < keep.sum() < mask.sum()
+
+    def gradients(how):
+        module.policy.zero_grad(set_to_none=True)
+        if how == "module":
+            module.micro_batch_step(batch, mb, weights, None, None, 0)
+        else:
+            logp, _ = completion_logprobs(module.policy, mb, 1.0)
+            folded = tis * keep if how == "folded" else tis
+            phi = gamma_weight(sequence_log_weight(logp, pik, mask, folded), adv, module.loss_config)
+            term = -(phi * adv) * logp * (keep if how == "trl" else 1.0)
+            (term * mb.take(weights)).sum().backward()
+        return torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
+
+    got = gradients("module")
+    assert torch.allclose(got, gradients("trl"), rtol=1e-5, atol=1e-9)
+    assert not torch.allclose(got, gradients("folded"), rtol=1e-3, atol=1e-7)
+
+
+@pytest.mark.parametrize("quantile", [1.0, 0.5])
+def test_the_entropy_bonus_counts_the_tokens_the_correction_masked(quantile):
+    """The bonus and its adaptive control act on the top-entropy tokens (all counted tokens at quantile 1), as
+    TRL's ``effective_mask``: the tokens the sampler correction masks still count."""
+    from lit_grpo.math.entropy_terms import high_entropy_mask
+
+    module = tiny_module(correction=CorrectionOptions(mode="token_mask", low=0.9, high=1.1, old_policy="proximal"),
+                         entropy=EntropyOptions(coef=0.1, top_entropy_quantile=quantile))
+    batch, mb, pik, mu, entropy = sampled_micro_batch(module)
+    stats, _ = module.micro_batch_step(batch, mb, module.loss_weights(batch), None, None, 0)
+    assert stats["correction_masked"] > 0  # the band drops tokens
+    keep = high_entropy_mask(entropy, mb.loss_mask, quantile)
+    assert int(stats["entropy_bonus_tokens"]) == int(keep.sum())
+    expected = torch.where(keep, entropy.double(), 0.0).sum()
+    assert float(stats["entropy_bonus_sum"]) == pytest.approx(float(expected), rel=1e-5)

@@ -23,6 +23,7 @@ from lit_grpo.training.losses import (
     build_loss,
     check_loss_output,
     config_class,
+    loss_inputs,
     red_drop_batch,
 )
 from lit_grpo.training.module import GRPOModule
@@ -115,6 +116,34 @@ def test_own_loss_by_import_path_gives_the_update_of_builtin_grpo(tmp_path):
     for a, b in zip(builtin_steps.steps, own_steps.steps):
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
         assert a["train/kl"] == pytest.approx(b["train/kl"], abs=1e-6)
+
+
+def names_correction_only(logp, alpha_logp, advantages, weights, mask, config: ClipConfig, pik_logp=None,
+                          ref_logp=None, correction=None):
+    """A loss written before ``policy_mask`` existed: it takes the top-entropy mask inside ``correction``."""
+    raise AssertionError("never called")
+
+
+def test_the_correction_and_the_policy_mask_reach_a_loss_by_the_parameters_it_names():
+    weight, keep = torch.tensor([[0.5, 2.0, 1.5]]), torch.tensor([[1.0, 0.0, 1.0]])
+    both = frozenset({"correction", "policy_mask"})
+    # apart: the ratio as the correction, the top-entropy mask as the policy mask
+    given = loss_inputs(both, "token_truncate", weight, keep)
+    assert given["correction"] is weight and given["policy_mask"] is keep
+    # a keep mask among the corrections is a policy mask too, multiplied with the top-entropy one
+    opsm = torch.tensor([[0.0, 1.0, 1.0]])
+    given = loss_inputs(both, "off_policy_mask", opsm, keep)
+    assert given["correction"] is None and torch.equal(given["policy_mask"], opsm * keep)
+    # a loss naming only `correction` (today's losses written by hand) gets everything in it
+    assert torch.equal(loss_inputs(frozenset({"correction"}), "token_truncate", weight, keep)["correction"],
+                       weight * keep)
+    assert torch.equal(loss_inputs(frozenset({"correction"}), "none", None, keep)["correction"], keep)
+    assert loss_inputs(frozenset(), "none", None, None) == {}
+    assert loss_inputs(both, "none", None, None) == {"correction": None, "policy_mask": None}
+    # and such a loss is still accepted with the top-entropy mask on
+    module = tiny_module(loss=f"{HERE}:names_correction_only", loss_options=LossOptions(custom={"eps": 0.2}),
+                         entropy={"top_entropy_quantile": 0.5})
+    assert module.loss_inputs == frozenset({"correction"})
 
 
 def test_own_loss_without_a_config_dataclass_gets_beta_and_its_options(no_model_loading):

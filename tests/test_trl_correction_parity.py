@@ -1,7 +1,8 @@
 """Our sampler corrections against TRL's own code (float64): the four importance-sampling modes against the block of
 ``GRPOTrainer._generate_and_score_completions`` that computes ``vllm_importance_sampling_ratio`` (its source,
 extracted and run on the same inputs), ``off_policy_mask`` against ``GRPOTrainer.get_off_policy_mask``, and the
-end-to-end loss and gradient: TRL's ``_compute_loss`` with that ratio against our ``grpo`` loss with our weight.
+end-to-end loss and gradient: TRL's ``_compute_loss`` with that ratio against our ``grpo`` loss with our weight, and
+``vespo`` with each correction TRL runs it with (``token_truncate``, ``token_mask``, the off-policy mask).
 
 Written against TRL 1.16. On another version the extraction or a stand-in attribute may no longer fit: the test
 then fails and says what is missing, rather than skipping, so that a drift in TRL's formulas cannot go unseen.
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from lit_grpo.math.corrections import CorrectionOptions, correction_weight
-from lit_grpo.training.losses import build_loss
+from lit_grpo.training.losses import build_loss, loss_inputs
 
 trl = pytest.importorskip("trl", reason="TRL is a dev extra (pip install -e '.[dev]')")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
@@ -159,15 +160,17 @@ def test_off_policy_mask_equals_trls(advantages):
 # End to end: TRL's _compute_loss with its ratio, our grpo loss with our weight
 
 
-def trl_loss(data: dict, loss_type: str, beta: float, ratio: torch.Tensor | None, opsm_delta: float | None):
+def trl_loss(data: dict, loss_type: str, beta: float, ratio: torch.Tensor | None, opsm_delta: float | None,
+             vespo: dict | None = None):
     """TRL's ``_compute_loss`` on a stand-in trainer (the model's forward replaced by prepared log-probs): (loss,
-    d loss / d log pi). ``ratio`` given: vLLM's importance-sampling correction on, with that ratio."""
+    d loss / d log pi). ``ratio`` given: vLLM's importance-sampling correction on, with that ratio. ``vespo``:
+    the ``vespo_*`` fields of ``GRPOConfig``."""
     logp = data["pi"].clone().requires_grad_(True)
 
     def per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, **kwargs):
         return logp, torch.zeros_like(logp), None
 
-    args = SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1)
+    args = SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1, **(vespo or {}))
     accelerator = SimpleNamespace(num_processes=1, sync_gradients=True, reduce=lambda t, reduction: t,
                                   gather=lambda t: t, gather_for_metrics=lambda t: t)
     trainer = SimpleNamespace(
@@ -177,7 +180,7 @@ def trl_loss(data: dict, loss_type: str, beta: float, ratio: torch.Tensor | None
         vllm_importance_sampling_correction=ratio is not None, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=T, accelerator=accelerator,
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        get_off_policy_mask=GRPOTrainer.get_off_policy_mask)
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask, get_gamma_weights=GRPOTrainer.get_gamma_weights)
     mask = data["mask"]
     batch = {
         "prompt_ids": torch.zeros(S, 2, dtype=torch.long), "prompt_mask": torch.ones(S, 2, dtype=torch.long),
@@ -248,5 +251,50 @@ def test_loss_with_off_policy_mask_equals_trls(loss_type):
     weight = our_weight("off_policy_mask", None, delta, data)
     assert (weight == 0).any() and (weight == 1).any()
     value, grad = our_loss(data, loss_type, 0.0, weight)
+    assert abs(float(value - trl_value)) <= LOSS_TOLERANCE, (value, trl_value)
+    torch.testing.assert_close(grad, trl_grad, rtol=0, atol=LOSS_TOLERANCE)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# VESPO with each correction TRL runs it with: its vLLM IS modes token_truncate and token_mask (it refuses the
+# sequence ones, as the module does) enter the sequence weight w in log space; the off-policy mask multiplies the
+# per-token term after phi(w). k_neg = 0 tells the two apart: there phi(w) = e^(lambda (1 - w)) tends to e^lambda as
+# w -> 0, so a mask folded into w would give a dropped sequence the largest weight instead of none.
+VESPO_MODES = ("token_truncate", "token_mask", "off_policy_mask")
+VESPO_SHAPES = {"defaults": {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0},
+                "k_neg0": {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 0.0, "vespo_lambda_neg": 2.0}}
+
+
+def our_vespo(data: dict, beta: float, mode: str, weight: torch.Tensor, shape: dict):
+    """Our ``vespo`` with the correction's weight handed over as the module hands it (:func:`loss_inputs`)."""
+    options = {key.removeprefix("vespo_"): value for key, value in shape.items()}
+    loss_fn = build_loss("vespo", {"vespo": options}, beta)
+    logp = data["pi"].clone().requires_grad_(True)
+    inputs = loss_inputs(frozenset({"correction", "policy_mask"}), mode, weight, None)
+    loss, _ = loss_fn.fn(logp=logp, alpha_logp=data["old"], advantages=data["advantages"],
+                         weights=exact_weights(data["mask"], "dapo"), mask=data["mask"], config=loss_fn.config,
+                         pik_logp=data["old"], ref_logp=data["ref"], **inputs)
+    loss.backward()
+    return loss.detach(), logp.grad
+
+
+@pytest.mark.parametrize("shape", list(VESPO_SHAPES))
+@pytest.mark.parametrize("beta", [0.0, 0.04], ids=["beta0", "kl"])
+@pytest.mark.parametrize("mode", VESPO_MODES)
+def test_vespo_with_each_correction_trl_accepts_equals_trls(mode, beta, shape):
+    data = finite_padding(inputs())
+    if mode == "off_policy_mask":
+        data["advantages"] = -data["advantages"].abs()  # negative advantages: OPSM has sequences to drop
+        ratio, delta = None, OPSM_DELTA
+        weight = our_weight(mode, None, delta, data)
+        assert (weight == 0).any() and (weight == 1).any()
+    else:
+        low, high = CorrectionOptions(mode).bounds()
+        ratio, delta = trl_ratio(mode, low, high, data["old"], data["mu"], data["mask"]), None
+        weight = our_weight(mode, None, None, data)
+        assert (weight[data["mask"].bool()] != 1).any()  # the correction changes the loss
+    trl_value, trl_grad = trl_loss(data, "vespo", beta, ratio, delta, vespo=VESPO_SHAPES[shape])
+    value, grad = our_vespo(data, beta, mode, weight, VESPO_SHAPES[shape])
+    assert abs(float(trl_value)) > 1e-3 and trl_grad.abs().max() > 1e-3
     assert abs(float(value - trl_value)) <= LOSS_TOLERANCE, (value, trl_value)
     torch.testing.assert_close(grad, trl_grad, rtol=0, atol=LOSS_TOLERANCE)

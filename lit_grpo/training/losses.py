@@ -9,7 +9,7 @@ The loss contract
 Every policy loss, built-in or yours, is a function called once per micro-batch with these keyword arguments::
 
     loss, stats = fn(logp=..., alpha_logp=..., advantages=..., weights=..., mask=..., config=...,
-                     pik_logp=..., ref_logp=...)          # and correction=... when it takes it (below)
+                     pik_logp=..., ref_logp=...)     # and correction=..., policy_mask=... when it names them
 
 - ``logp`` ``[S, T]``: log pi_theta of each completion token (with gradient), S sequences x T completion tokens;
 - ``alpha_logp`` ``[S, T]``: log alpha, the policy that sampled the rollouts (eq. 6's denominator);
@@ -21,10 +21,20 @@ Every policy loss, built-in or yours, is a function called once per micro-batch 
   weighted SUM: ``(per_token * weights).sum()``;
 - ``mask`` ``[S, T]``: 1 on the completion's tokens, 0 on padding;
 - ``config``: the loss's options (below);
-- ``correction`` ``[S, T]`` or None, only for a loss that takes a ``correction`` parameter (every built-in one
+- ``correction`` ``[S, T]`` or None, only for a loss that names a ``correction`` parameter (every built-in one
   does): the sampler correction's detached per-token weight (``model.correction``, :mod:`lit_grpo.math.corrections`),
   to multiply into the policy term and not into the KL term (:func:`lit_grpo.math.objective.with_kl_penalty`).
-  None when no correction is on. A loss without the parameter is refused when ``model.correction`` is set.
+  None when no correction is on, or when the correction is a keep mask (below). A loss that does not name the
+  parameter is refused when ``model.correction`` is set: a ``**kwargs`` catch-all does not count, since it could
+  drop the weight unseen.
+- ``policy_mask`` ``[S, T]`` or None, only for a loss that names a ``policy_mask`` parameter (every built-in one
+  does): the detached 0/1 mask of the tokens whose policy term is kept, the top-entropy tokens
+  (``model.entropy.top_entropy_quantile``) times the keep masks among the corrections
+  (:data:`lit_grpo.math.corrections.MASK_MODES`), to multiply onto the policy term after the loss's own weighting
+  and not into the KL term, as TRL applies its ``entropy_mask`` and off-policy mask. None when neither is on. A
+  loss that names ``correction`` but not ``policy_mask`` (written before it existed) gets the mask multiplied into
+  its ``correction``, the same for a loss that multiplies its correction onto the policy term; one that names
+  neither is refused when the mask could be on. :func:`loss_inputs` builds the two.
 
 It returns ``(loss, stats)``: ``loss`` a 0-d tensor to minimise (its gradient is the update), ``stats`` a dict of
 detached 0-d tensors holding at least :data:`STAT_KEYS` (sums and extrema over the tokens of ``mask``, which
@@ -59,6 +69,7 @@ from lit_grpo.core.import_paths import resolve_callable
 from lit_grpo.core.option_groups import as_group
 from lit_grpo.math import rec
 from lit_grpo.math.cispo import CISPOOptions, cispo_loss
+from lit_grpo.math.corrections import CORRECTION_MODES, MASK_MODES
 from lit_grpo.math.dppo import DPPOKLOptions, DPPOOptions, dppo_kl_loss, dppo_tv_loss
 from lit_grpo.math.gmpo import GMPOOptions, gmpo_loss
 from lit_grpo.math.gspo import GSPOOptions, gspo_loss
@@ -66,6 +77,7 @@ from lit_grpo.math.luspo import LUSPOOptions, luspo_loss
 from lit_grpo.math.objective import GRPOOptions, LossConfig, LossFn, grpo_loss
 from lit_grpo.math.rec import ClipOptions, REDWeightOptions, RingOptions, TauOptions
 from lit_grpo.math.sapo import SAPOOptions, sapo_loss
+from lit_grpo.math.vespo import REFUSED_CORRECTIONS as VESPO_REFUSED_CORRECTIONS
 from lit_grpo.math.vespo import VESPOOptions, vespo_loss
 
 #: a loss's batch hook: ``(batch, rank) -> (shaped copy of batch, [S] keep mask or None)``
@@ -73,8 +85,8 @@ BatchHook = Callable[[RolloutBatch, int], tuple[RolloutBatch, "torch.Tensor | No
 
 # the keyword arguments every loss is called with (the contract above)
 LOSS_ARGUMENTS = ("logp", "alpha_logp", "advantages", "weights", "mask", "config", "pik_logp", "ref_logp")
-# the keyword a loss may take besides them: it is passed only to a loss that names it (or takes **kwargs)
-OPTIONAL_ARGUMENTS = ("correction",)
+# the keywords a loss may take besides them: each is passed only to a loss that names it
+OPTIONAL_ARGUMENTS = ("correction", "policy_mask")
 # the statistics the module logs (train/ratio_*, train/clip_*_fraction, train/kl), which every loss returns
 STAT_KEYS = ("tokens", "ratio_sum", "ratio_min", "ratio_max", "clip_low", "clip_high", "kl_sum")
 
@@ -158,6 +170,8 @@ class LossEntry:
 
     fn: LossFn
     shape_batch: BatchHook | None = None
+    #: the sampler corrections (``model.correction.mode``) the loss cannot take, refused before a model loads
+    refused_corrections: tuple[str, ...] = ()
 
 
 #: the one registry of built-in losses: ``model.loss`` names one of these
@@ -175,7 +189,7 @@ BUILTIN_LOSSES: dict[str, LossEntry] = {
     "asymre": LossEntry(rec.asymre_loss),
     "sapo": LossEntry(sapo_loss),
     "luspo": LossEntry(luspo_loss),
-    "vespo": LossEntry(vespo_loss),
+    "vespo": LossEntry(vespo_loss, refused_corrections=VESPO_REFUSED_CORRECTIONS),
     "gmpo": LossEntry(gmpo_loss),
     "dppo_tv": LossEntry(dppo_tv_loss),
     "dppo_kl": LossEntry(dppo_kl_loss),
@@ -218,6 +232,7 @@ class PolicyLoss:
     fn: LossFn
     config: object
     shape_batch: BatchHook | None = None
+    refused_corrections: tuple[str, ...] = ()
 
 
 _SPEC_HELP = (f"expected a built-in loss ({', '.join(BUILTIN_LOSSES)}) or 'package.module:function' naming "
@@ -251,10 +266,57 @@ def check_loss_signature(fn: LossFn, spec: str) -> None:
         raise TypeError(f"loss {spec!r} has the wrong signature {inspect.signature(fn)}: it {what}; {_SPEC_HELP}")
 
 
-def takes_correction(fn: LossFn) -> bool:
-    """Whether a loss takes the optional ``correction`` keyword (by name, or through ``**kwargs``)."""
+def named_optional_arguments(fn: LossFn) -> frozenset[str]:
+    """The optional keywords (:data:`OPTIONAL_ARGUMENTS`) a loss names as parameters; ``**kwargs`` names none."""
     params = inspect.signature(fn).parameters.values()
-    return any(p.name == "correction" or p.kind is p.VAR_KEYWORD for p in params)
+    return frozenset(p.name for p in params if p.name in OPTIONAL_ARGUMENTS
+                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def check_loss_inputs(loss: PolicyLoss, correction_mode: str, top_entropy_quantile: float) -> frozenset[str]:
+    """The optional keywords ``loss`` names, once checked against what the module will hand it: a sampler
+    correction needs a ``correction`` parameter and a loss that accepts that mode; the top-entropy mask needs
+    ``policy_mask`` (or ``correction``, which then carries it). A ``**kwargs`` catch-all is no parameter: it
+    would take the weight and could drop it unseen. Raises a one-line ValueError, before any model loads."""
+    names = named_optional_arguments(loss.fn)
+    if correction_mode in loss.refused_corrections:
+        accepted = [m for m in CORRECTION_MODES if m != "none" and m not in loss.refused_corrections]
+        raise ValueError(f"model.correction.mode={correction_mode!r} gives each sequence one weight on all its "
+                         f"tokens, and model.loss {loss.name!r} adds each token's correction to the sequence's "
+                         f"log-weight, so it would count that weight once per token; expected one of "
+                         f"{', '.join(accepted)} with this loss, or another loss")
+    catch_all = " (a **kwargs catch-all does not count: it could drop the weight)"
+    if correction_mode != "none" and "correction" not in names:
+        raise ValueError(f"model.correction.mode={correction_mode!r} needs a loss with a `correction` parameter (a "
+                         f"per-token weight on the policy term); loss {loss.name!r} has none{catch_all}: add "
+                         "`correction=None` to its signature")
+    if top_entropy_quantile < 1.0 and not names:
+        raise ValueError(f"model.entropy.top_entropy_quantile={top_entropy_quantile} needs a loss with a "
+                         f"`policy_mask` parameter (the 0/1 mask of the tokens the policy term keeps); loss "
+                         f"{loss.name!r} has none{catch_all}: add `policy_mask=None` to its signature")
+    return names
+
+
+def loss_inputs(names: frozenset[str], correction_mode: str, weight: torch.Tensor | None,
+                entropy_keep: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """The optional keyword arguments of a loss that names ``names``: the correction's ``weight`` (None: no
+    correction) goes as ``correction`` when it is an importance ratio and into ``policy_mask`` when
+    ``correction_mode`` is a keep mask (:data:`~lit_grpo.math.corrections.MASK_MODES`), with the top-entropy mask
+    ``entropy_keep``; a loss that names ``correction`` alone gets the mask multiplied into it (the contract before
+    ``policy_mask``), so what it is given still scales the policy term alone."""
+    correction, policy_mask = weight, None
+    if weight is not None and correction_mode in MASK_MODES:
+        correction, policy_mask = None, weight
+    if entropy_keep is not None:
+        policy_mask = entropy_keep if policy_mask is None else policy_mask * entropy_keep
+    inputs: dict[str, torch.Tensor | None] = {}
+    if "policy_mask" in names:
+        inputs["policy_mask"] = policy_mask
+    elif policy_mask is not None:
+        correction = policy_mask if correction is None else correction * policy_mask
+    if "correction" in names:
+        inputs["correction"] = correction
+    return inputs
 
 
 def _custom_config(fn: LossFn, spec: str, options: Mapping[str, Any], beta: float,
@@ -305,7 +367,8 @@ def build_loss(spec: str, options: LossOptions | Mapping[str, Any] | None, beta:
         raise ValueError(f"loss_options.{stray[0]} is set ({getattr(options, stray[0])}) but model.loss {spec!r} "
                          f"{reads}; remove it or pick that loss")
     if entry is not None:
-        return PolicyLoss(spec, entry.fn, builtin_config(spec, options, beta, kl_bias_correction), entry.shape_batch)
+        return PolicyLoss(spec, entry.fn, builtin_config(spec, options, beta, kl_bias_correction), entry.shape_batch,
+                          entry.refused_corrections)
     fn = resolve_loss_function(spec)
     return PolicyLoss(spec, fn, _custom_config(fn, spec, options.custom, beta, kl_bias_correction))
 

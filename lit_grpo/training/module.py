@@ -53,7 +53,7 @@ from lit_grpo.models.copies import frozen_copy
 from lit_grpo.models.loading import checkpointing_call, disable_dropout, load_model_and_tokenizer
 from lit_grpo.models.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_model_of
 from lit_grpo.training.flops import device_peak_flops, parameter_count, processed_tokens
-from lit_grpo.training.losses import LossOptions, build_loss, check_loss_output, takes_correction
+from lit_grpo.training.losses import LossOptions, build_loss, check_loss_inputs, check_loss_output, loss_inputs
 from lit_grpo.training.measured_metrics import log_measured
 from lit_grpo.training.optim import OptimizerArgs, build_optimizer
 from lit_grpo.training.precision import check_trainer_precision, check_weights_dtype
@@ -109,7 +109,8 @@ class GRPOModule(L.LightningModule):
             ``dppo_tv``, ``dppo_kl``; ``old_policy``: ``decoupled`` or ``proximal``; ``low`` / ``high``: its bounds;
             ``lit_grpo.math.corrections``, docs/corrections.md): a per-token weight on the policy term from the
             sampler's log-probs mu against pi_old, alpha recomputed by the trainer (``decoupled``, the default) or
-            pi_k (``proximal``), and the loss's denominator becomes that pi_old.
+            pi_k (``proximal``), and the loss's denominator becomes that pi_old. ``vespo`` refuses the
+            ``sequence_*`` modes (their one weight per sequence would count once per token in its log-weight).
         entropy: the entropy terms (``lit_grpo.math.entropy_terms``): ``top_entropy_quantile`` (train on the
             highest-entropy tokens only), ``coef`` (an entropy bonus, ``- coef * mean entropy``), ``adaptive`` and
             its target and step (TRL's adaptive entropy control).
@@ -184,14 +185,10 @@ class GRPOModule(L.LightningModule):
         self.loss_fn, self.loss_config = self.policy_loss.fn, self.policy_loss.config
         self.correction = as_group(CorrectionOptions, correction, "correction")
         self.entropy_options = as_group(EntropyOptions, entropy, "entropy")
-        # correction (or the top-entropy mask, which travels the same way) needs a loss that takes the weight
-        self.passes_correction = takes_correction(self.loss_fn)
-        if not self.passes_correction and (self.correction.mode != "none"
-                                           or self.entropy_options.top_entropy_quantile < 1.0):
-            what = (f"model.correction.mode={self.correction.mode!r}" if self.correction.mode != "none"
-                    else f"model.entropy.top_entropy_quantile={self.entropy_options.top_entropy_quantile}")
-            raise ValueError(f"{what} needs a loss that takes the `correction` keyword (a per-token weight on the "
-                             f"policy term); loss {loss!r} does not: add `correction=None` to its signature")
+        # the correction's weight and the top-entropy mask reach the loss only through parameters it names, and the
+        # loss must be able to take the chosen correction (VESPO refuses a per-sequence one)
+        self.loss_inputs = check_loss_inputs(self.policy_loss, self.correction.mode,
+                                             self.entropy_options.top_entropy_quantile)
         #: the entropy bonus's coefficient now (TRL's adaptive control moves it; a checkpoint keeps it)
         self.entropy_coef = float(self.entropy_options.coef)
         self._last_entropy: float | None = None
@@ -487,19 +484,21 @@ class GRPOModule(L.LightningModule):
         extra: dict[str, torch.Tensor] = {}
         # the sampler correction: the loss's denominator becomes pi_old, and its weight comes with the call
         old_logp, correction = self.sampler_correction(batch, mb, logp, pik_logp, alpha_logp, extra)
+        keep = None
         if entropy_options.top_entropy_quantile < 1.0:
             keep = high_entropy_mask(entropy.detach(), mask, entropy_options.top_entropy_quantile)
             extra["entropy_masked"] = (mask.bool() & ~keep.bool()).sum().to(torch.float64)
             keep = keep.to(logp.dtype)
-            correction = keep if correction is None else correction * keep
-        extra_kwargs = {"correction": correction} if self.passes_correction else {}
+        # apart, not folded together: the mask multiplies the policy term after the loss's own weighting (VESPO
+        # would otherwise put it into its sequence weight), as TRL's entropy_mask
+        optional = loss_inputs(self.loss_inputs, self.correction.mode, correction, keep)
         loss, stats = check_loss_output(self.policy_loss.name, self.loss_fn(
             logp=logp, alpha_logp=old_logp, advantages=advantages, weights=mb.take(weights), mask=mask,
-            config=self.loss_config, pik_logp=pik_logp, ref_logp=ref_logp, **extra_kwargs,
+            config=self.loss_config, pik_logp=pik_logp, ref_logp=ref_logp, **optional,
         ))
         stats.update(extra)
-        if bonus:
-            loss = loss - self.entropy_bonus_term(entropy, mask, correction, stats)
+        if bonus:  # on the top-entropy tokens alone: the tokens the sampler correction masks keep their entropy
+            loss = loss - self.entropy_bonus_term(entropy, mask, keep, stats)
         # Theorem 1 monitor: TV(pi_k, alpha) at the first iteration, TV(pi, alpha) at the last one
         if first:
             stats.update(first_iteration_stats(pik_logp, alpha_logp, mask, entropy.detach() if hp.log_entropy
@@ -546,8 +545,9 @@ class GRPOModule(L.LightningModule):
 
     def entropy_bonus_term(self, entropy: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor | None,
                            stats: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``coef * mean entropy`` over this micro-batch's counted tokens (those the top-entropy mask keeps), a
-        share of the batch's bonus: divided by the micro-batches and ranks, as TRL divides its per-micro-batch
+        """``coef * mean entropy`` over this micro-batch's counted tokens (those the top-entropy mask ``keep``
+        keeps; the sampler correction's weight plays no part, as in TRL's ``effective_mask``), a share of the
+        batch's bonus: divided by the micro-batches and ranks, as TRL divides its per-micro-batch
         mean by the accumulation steps (the module's backward multiplies by the ranks, as for the loss). Under
         adaptive control the coefficient applies only while the last measured entropy is at or below the target
         (TRL's rule); its sums go into the statistics for the next update of the coefficient."""
