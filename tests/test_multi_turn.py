@@ -288,7 +288,7 @@ def test_print_config_takes_tools_and_multi_turn(tmp_path, monkeypatch, capsys):
     data = yaml.safe_load(capsys.readouterr().out)["data"]
     assert data["tools"] == ["toy_environments:add"]
     assert data["multi_turn"] == {"max_turns": 3, "max_total_tokens": 256, "tool_timeout_s": 10.0,
-                                  "tool_call_format": "toy_environments:parse_braces"}
+                                  "tool_call_format": "toy_environments:parse_braces", "tool_runner": "thread"}
 
 
 def test_every_environment_is_closed_when_a_group_fails_to_start_and_a_failing_close_is_warned():

@@ -203,7 +203,7 @@ class RolloutDataModule(L.LightningDataModule):
             the row's ``question`` starts the conversation and the first turn without a tool call ends it
             (``rewards`` score it: ``correctness`` by default).
         multi_turn: the limits and formats of multi-turn rollouts (``max_turns``, ``max_total_tokens``,
-            ``tool_timeout_s``, ``tool_call_format``; ``lit_grpo.data.multi_turn.MultiTurnOptions``).
+            ``tool_timeout_s``, ``tool_call_format``, ``tool_runner``; ``lit_grpo.data.multi_turn.MultiTurnOptions``).
     """
 
     def __init__(
@@ -290,7 +290,8 @@ class RolloutDataModule(L.LightningDataModule):
         environment = environment if environment is not None else default_environment(dataset)
         #: multi-turn rollouts (an environment, or tools): built once the tokenizer is known (setup)
         self.environment_factory = resolve_environment(environment) if environment is not None else None
-        self.toolbox = ToolBox(tools or [], timeout_s=self.multi_turn.tool_timeout_s)
+        self.toolbox = ToolBox(tools or [], timeout_s=self.multi_turn.tool_timeout_s,
+                               runner=self.multi_turn.tool_runner)
         self.parse_tool_calls = resolve_tool_call_format(self.multi_turn.tool_call_format)
         self.is_multi_turn = self.environment_factory is not None or bool(self.toolbox)
         self.trajectories: TrajectoryRunner | None = None

@@ -34,8 +34,8 @@ from lit_grpo.environments.protocol import (
     environment_name,
 )
 from lit_grpo.environments.rendering import ConversationRenderer, RenderingError
-from lit_grpo.environments.tool_calls import ToolCallError, ToolCallParser
-from lit_grpo.environments.tools import ToolBox
+from lit_grpo.environments.tool_calls import ToolCall, ToolCallError, ToolCallParser
+from lit_grpo.environments.tools import ToolBox, ToolOutcome, check_tool_runner
 
 #: how a sampling request is made: ``(prompts, n, sampling, seed) -> Rollouts`` (an engine's generate, or a remote
 #: engine's request: no collective)
@@ -55,12 +55,16 @@ class MultiTurnOptions:
         tool_timeout_s: a tool call running longer answers with a timeout error, and the trajectory goes on.
         tool_call_format: how tool calls are written in the model's output: ``hermes`` (``<tool_call>{json}``
             ``</tool_call>``) or an import path ``package.module:parse`` of ``parse(text) -> list[ToolCall]``.
+        tool_runner: where a call runs: ``thread`` (the default: any callable, no cost per call; a call past its
+            limit runs on) or ``process`` (a process per call, killed at its limit; the tool must be importable by
+            path). A turn's calls run at once either way (``lit_grpo.environments.tools``).
     """
 
     max_turns: int = 4
     max_total_tokens: int | None = None
     tool_timeout_s: float = 10.0
     tool_call_format: str = "hermes"
+    tool_runner: str = "thread"
 
     def __post_init__(self) -> None:
         if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
@@ -72,6 +76,7 @@ class MultiTurnOptions:
                              f"got {self.max_total_tokens!r}")
         if not self.tool_timeout_s > 0:
             raise ValueError(f"multi_turn.tool_timeout_s must be > 0, got {self.tool_timeout_s!r}")
+        check_tool_runner(self.tool_runner)
 
 
 class QuestionEnvironment:
@@ -129,6 +134,17 @@ class Trajectory:
     def completion(self) -> Completion:
         return Completion(list(self.token_ids), list(self.logprobs), self.truncated,
                           tuple(dict.fromkeys(self.versions)), tuple(self.mask), self.record())
+
+
+@dataclass
+class ToolTurn:
+    """The tool calls of one model turn: the calls parsed (or the error of a call that cannot be read, or what a
+    parser raised otherwise), and their outcomes once run."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    error: ToolCallError | None = None
+    failure: Exception | None = None
+    outcomes: list[ToolOutcome] | None = None
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -218,9 +234,8 @@ class TrajectoryRunner:
             first = sample(prompts, n, sampling, seed)
             if first.error is not None:
                 return first
-            for group, completions in zip(groups, first.groups):
-                for trajectory, completion in zip(group, completions):
-                    self.answer(trajectory, completion)
+            self.answer_all([pair for group, completions in zip(groups, first.groups)
+                             for pair in zip(group, completions)])
             turn = 1
             while True:
                 running = [t for g in groups for t in g if t.running]
@@ -233,22 +248,52 @@ class TrajectoryRunner:
                 rollouts = sample([t.prompt_ids + t.token_ids for t in running], 1, sampling, turn_seed(seed, turn))
                 if rollouts.error is not None:
                     return rollouts
-                for trajectory, (completion,) in zip(running, rollouts.groups):
-                    self.answer(trajectory, completion)
+                self.answer_all([(t, c) for t, (c,) in zip(running, rollouts.groups)])
                 turn += 1
         finally:
             for trajectory in (t for g in groups for t in g):
                 close(trajectory.environment)
         return Rollouts([[t.completion() for t in g] for g in groups], reference=None)
 
-    def answer(self, trajectory: Trajectory, completion: Completion) -> None:
-        """Take the model's turn into ``trajectory``, then the environment's answer (or end it)."""
+    def answer_all(self, pairs: list[tuple[Trajectory, Completion]]) -> None:
+        """Take the model's turn of each ``(trajectory, completion)`` as :meth:`answer` does, with the tool calls of
+        every turn run first, at once: a turn whose calls hang waits about one ``tool_timeout_s``, not the sum."""
+        turns = [self.tool_turn(trajectory, completion) for trajectory, completion in pairs]
+        outcomes = iter(self.tools.call_many([call for turn in turns if turn is not None for call in turn.calls]))
+        for (trajectory, completion), turn in zip(pairs, turns):
+            if turn is not None:
+                turn.outcomes = [next(outcomes) for _ in turn.calls]
+            self.answer(trajectory, completion, turn)
+
+    def kept_tokens(self, trajectory: Trajectory, completion: Completion) -> tuple[list[int], list[float], bool]:
+        """The turn's tokens and log-probs that fit under ``max_total_tokens``, and whether the cap cut them."""
         cap = self.options.max_total_tokens
         tokens, logprobs = list(completion.token_ids), list(completion.logprobs)
         over_cap = cap is not None and len(trajectory.token_ids) + len(tokens) > cap
         if over_cap:
             keep = cap - len(trajectory.token_ids)
             tokens, logprobs = tokens[:keep], logprobs[:keep]
+        return tokens, logprobs, over_cap
+
+    def tool_turn(self, trajectory: Trajectory, completion: Completion) -> ToolTurn | None:
+        """The tool calls of the model's turn, parsed, before the turn is taken: ``None`` when its tools do not run
+        (no tools, or a turn cut at a cap: the call is likely cut too)."""
+        tokens, _, over_cap = self.kept_tokens(trajectory, completion)
+        if not self.tools or completion.truncated or over_cap:
+            return None
+        content = self.renderer.tokenizer.decode(tokens, skip_special_tokens=True)
+        try:
+            return ToolTurn(self.parse_tool_calls(content))
+        except ToolCallError as e:
+            return ToolTurn(error=e)
+        except Exception as e:  # a parser's own bug: raised again where the turn is answered (an env_error)
+            return ToolTurn(failure=e)
+
+    def answer(self, trajectory: Trajectory, completion: Completion, tool_turn: ToolTurn | None = None) -> None:
+        """Take the model's turn into ``trajectory``, then the environment's answer (or end it); ``tool_turn``: its
+        tool calls already parsed and run (:meth:`answer_all`), else they are here."""
+        cap = self.options.max_total_tokens
+        tokens, logprobs, over_cap = self.kept_tokens(trajectory, completion)
         trajectory.token_ids += tokens
         trajectory.mask += [1] * len(tokens)
         trajectory.logprobs += logprobs
@@ -267,7 +312,7 @@ class TrajectoryRunner:
         try:
             # a turn cut at a cap still goes to the environment, as a single-turn reward scores a cut completion;
             # its tools do not run (the call is likely cut too), and the trajectory ends after it
-            reply = self.respond(trajectory, content, message, tools=not cut)
+            reply = self.respond(trajectory, content, message, tools=not cut, tool_turn=tool_turn)
         except Exception as e:  # the environment raised or answered out of shape: counted, the trajectory ends
             trajectory.env_error = f"{type(e).__name__}: {e}"
             return self.end(trajectory, "env_error")
@@ -295,21 +340,27 @@ class TrajectoryRunner:
         trajectory.conversation += reply
         trajectory.messages += reply
 
-    def respond(self, trajectory: Trajectory, content: str, message: dict[str, Any],
-                tools: bool = True) -> list[dict[str, Any]] | None:
+    def respond(self, trajectory: Trajectory, content: str, message: dict[str, Any], tools: bool = True,
+                tool_turn: ToolTurn | None = None) -> list[dict[str, Any]] | None:
         """The messages that answer the model's turn (tool results, or the environment's reply), ``None`` when the
         trajectory is done. Records tool calls in ``message`` and the environment's reward in the trajectory."""
         if self.tools and tools:
-            try:
-                calls = self.parse_tool_calls(content)
-            except ToolCallError as e:
+            turn = tool_turn
+            if turn is None:
+                try:
+                    turn = ToolTurn(self.parse_tool_calls(content))
+                except ToolCallError as e:
+                    turn = ToolTurn(error=e)
+            if turn.failure is not None:
+                raise turn.failure
+            if turn.error is not None:
                 trajectory.tool_errors += 1
-                return [{"role": "tool", "content": f"Error: {e}"}]
-            if calls:
-                message["tool_calls"] = [c.as_message_call() for c in calls]
+                return [{"role": "tool", "content": f"Error: {turn.error}"}]
+            if turn.calls:
+                message["tool_calls"] = [c.as_message_call() for c in turn.calls]
+                outcomes = turn.outcomes if turn.outcomes is not None else self.tools.call_many(turn.calls)
                 replies = []
-                for call in calls:
-                    outcome = self.tools.call(call)
+                for call, outcome in zip(turn.calls, outcomes):
                     trajectory.tool_calls += 1
                     trajectory.tool_errors += outcome.failed
                     replies.append({"role": "tool", "name": call.name, "content": outcome.text})
