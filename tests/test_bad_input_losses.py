@@ -77,3 +77,16 @@ def test_a_loss_naming_the_policy_mask_takes_the_top_entropy_mask_but_no_correct
     with pytest.raises(ValueError, match="model.correction.mode='token_mask'.*`correction`") as err:
         tiny_module(loss=f"{HERE}:names_policy_mask", correction=CorrectionOptions(mode="token_mask"))
     assert "\n" not in str(err.value)
+
+
+def test_vespo_takes_every_other_correction():
+    """The token ratios enter its sequence weight as TRL's TIS ratio; the keep masks (``geometric_mask`` too: one
+    0/1 value per sequence) multiply its term after phi, so only the per-sequence ratios are refused."""
+    from lit_grpo.math.corrections import CORRECTION_MODES
+    from lit_grpo.training.losses import build_loss, check_loss_inputs
+
+    vespo = build_loss("vespo", None, 0.0)
+    for mode in CORRECTION_MODES:
+        if mode in ("sequence_truncate", "sequence_mask"):
+            continue
+        assert check_loss_inputs(vespo, mode, 0.5) == frozenset({"correction", "policy_mask"}), mode

@@ -143,7 +143,7 @@ def test_the_correction_and_the_policy_mask_reach_a_loss_by_the_parameters_it_na
     # and such a loss is still accepted with the top-entropy mask on
     module = tiny_module(loss=f"{HERE}:names_correction_only", loss_options=LossOptions(custom={"eps": 0.2}),
                          entropy={"top_entropy_quantile": 0.5})
-    assert module.loss_inputs == frozenset({"correction"})
+    assert module.loss_keywords == frozenset({"correction"})
 
 
 def test_own_loss_without_a_config_dataclass_gets_beta_and_its_options(no_model_loading):

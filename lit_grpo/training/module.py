@@ -187,7 +187,7 @@ class GRPOModule(L.LightningModule):
         self.entropy_options = as_group(EntropyOptions, entropy, "entropy")
         # the correction's weight and the top-entropy mask reach the loss only through parameters it names, and the
         # loss must be able to take the chosen correction (VESPO refuses a per-sequence one)
-        self.loss_inputs = check_loss_inputs(self.policy_loss, self.correction.mode,
+        self.loss_keywords = check_loss_inputs(self.policy_loss, self.correction.mode,
                                              self.entropy_options.top_entropy_quantile)
         #: the entropy bonus's coefficient now (TRL's adaptive control moves it; a checkpoint keeps it)
         self.entropy_coef = float(self.entropy_options.coef)
@@ -491,7 +491,7 @@ class GRPOModule(L.LightningModule):
             keep = keep.to(logp.dtype)
         # apart, not folded together: the mask multiplies the policy term after the loss's own weighting (VESPO
         # would otherwise put it into its sequence weight), as TRL's entropy_mask
-        optional = loss_inputs(self.loss_inputs, self.correction.mode, correction, keep)
+        optional = loss_inputs(self.loss_keywords, self.correction.mode, correction, keep)
         loss, stats = check_loss_output(self.policy_loss.name, self.loss_fn(
             logp=logp, alpha_logp=old_logp, advantages=advantages, weights=mb.take(weights), mask=mask,
             config=self.loss_config, pik_logp=pik_logp, ref_logp=ref_logp, **optional,
