@@ -202,3 +202,91 @@ def test_a_reasoning_gym_dataset_brings_its_environment_and_trains():
     (metrics,) = recorder.steps
     assert metrics["rollout/turns"] == 1.0 and metrics["rollout/env_errors"] == 0.0
     assert metrics["rollout/reward_mean"] == 0.0  # four random tokens hold no <answer> tag: the scorer gives 0
+
+
+# ---- the task's own prompt and scoring by default ------------------------------------------------------------------
+TASK = "reasoning_gym:basic_arithmetic:size=20:test_size=4"
+
+
+def both_formats(answer: str) -> str:
+    """A right answer in reasoning-gym's tags and in GSM8K's ``####`` form: a GSM8K reward would score it too."""
+    return f"3 + 4 = 7\n#### {answer}\n<answer>{answer}</answer>"
+
+
+def scripted_groups(data, tokenizer, texts: list[str]):  # noqa: ANN001, ANN201
+    """The data module's trajectories of its first rows, one per text, the model's turn being that text."""
+    from lit_grpo.engines.base import Completion, Rollouts
+
+    turns = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in texts]
+
+    def sample(prompts, n, sampling, seed):  # noqa: ANN001, ANN202
+        return Rollouts([[Completion(turns[i], [0.0] * len(turns[i]), False) for _ in range(n)]
+                         for i in range(len(prompts))])
+
+    runner = data.trajectory_runner(tokenizer)
+    return runner.run([data.rows[i] for i in range(len(texts))], data.num_generations, sample, data.sampling,
+                      0).groups
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from lit_grpo.models.loading import load_model_and_tokenizer
+
+    return load_model_and_tokenizer("tiny-random-llama", "float32")[1]
+
+
+def test_a_task_is_prompted_with_reasoning_gyms_own_system_prompt(tokenizer):
+    """``data.system_prompt`` left at its default (GSM8K's, which asks for '#### <answer>') becomes reasoning-gym's
+    own prompt, which asks for the ``<answer>`` tags the scorer reads; a prompt the user set is kept."""
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    from lit_grpo.data.datamodule import RolloutDataModule
+    from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
+
+    data = RolloutDataModule(dataset=TASK, num_generations=2)
+    assert data.system_prompt == SYSTEM_PROMPTS["default"]
+    assert rg.system_prompt() == SYSTEM_PROMPTS["default"]
+    prompt = tokenizer.decode(data.trajectory_runner(tokenizer).prompt(data.rows[0]))
+    assert SYSTEM_PROMPTS["default"].strip() in prompt and "####" not in prompt
+    assert prompt.count("<answer>") >= 1 and data.rows[0]["question"] in prompt
+    assert RolloutDataModule(dataset=TASK, num_generations=2, system_prompt=None).system_prompt is None
+    assert RolloutDataModule(dataset=TASK, num_generations=2, system_prompt="Be brief.").system_prompt == "Be brief."
+    assert RolloutDataModule(num_generations=2).system_prompt == DEFAULT_SYSTEM_PROMPT  # GSM8K keeps its own
+
+
+def test_a_right_answer_scores_the_tasks_one_through_the_data_modules_scoring(tokenizer):
+    """By default a trajectory's reward is the task's score alone: a right answer scores 1, never 1 + a GSM8K
+    reward's; ``add_rewards_to_environment`` adds them, on purpose only."""
+    from lit_grpo.data.datamodule import RolloutDataModule
+
+    data = RolloutDataModule(dataset=TASK, num_generations=2)
+    rows = [0, 1]
+    texts = [both_formats(data.rows[0]["answer"]), both_formats(str(int(data.rows[1]["answer"]) + 1))]
+    scored = data.score_groups(rows, scripted_groups(data, tokenizer, texts))
+    assert scored.rewards == [1.0, 1.0, 0.0, 0.0]
+
+    added = RolloutDataModule(dataset=TASK, num_generations=2, rewards=["correctness"],
+                              add_rewards_to_environment=True)
+    scored = added.score_groups(rows, scripted_groups(added, tokenizer, texts))
+    assert scored.rewards == [2.0, 2.0, 0.0, 0.0]  # the task's 1 and correctness's 1, asked for
+
+
+def test_predict_samples_with_the_training_prompt(tmp_path, monkeypatch):
+    """``predict`` on a reasoning-gym task: the conversation starts with the system prompt training samples with
+    (reasoning-gym's own), and each trajectory's reward is the task's score alone."""
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    from lit_grpo.cli.lightning_cli import main
+
+    monkeypatch.setattr(sys, "argv", ["lit_grpo"])
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "predictions.jsonl"
+    main(["predict", "--model.model_name", "tiny-random-llama", "--data.dataset", TASK, "--data.num_generations",
+          "2", "--data.max_new_tokens", "4", "--trainer.accelerator", "cpu", "--predictions.output", str(out),
+          "--predictions.num_questions", "2"])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        for trajectory in record["trajectories"]:
+            assert trajectory["messages"][0] == {"role": "system", "content": SYSTEM_PROMPTS["default"]}
+            assert trajectory["reward"] == trajectory["env_reward"]

@@ -72,6 +72,13 @@ def main(argv: Sequence[str]) -> dict:
     if args.num_questions is not None and args.num_questions < 1:
         raise ValueError(f"--num_questions must be >= 1, got {args.num_questions}")
     ks = parse_ks(args.ks)
+    from lit_grpo.data.tasks import default_environment
+
+    if default_environment(args.dataset) is not None:  # its prompt and scorer are its environment's, not GSM8K's
+        raise ValueError(f"--dataset {args.dataset!r} is an environment's task; this command samples GSM8K-style "
+                         f"questions with GSM8K's prompt and judge. Expected: python -m lit_grpo validate "
+                         f"--data.dataset {args.dataset} --eval.dataset {args.dataset} (with --model.model_name or "
+                         f"--ckpt_path), which samples through the task's environment as training does")
     import torch
 
     from lit_grpo.core.checkpoints import CheckpointError

@@ -54,7 +54,7 @@ from lit_grpo.data.staleness import (
     staleness_stats,
     weight_version_of,
 )
-from lit_grpo.data.tasks import default_environment, load_task_rows
+from lit_grpo.data.tasks import check_environment_rewards, default_environment, load_task_rows, system_prompt_for
 from lit_grpo.engines.base import (
     Completion,
     ReferenceServing,
@@ -141,6 +141,8 @@ class RolloutDataModule(L.LightningDataModule):
             first batch stops the run (``lit_grpo.data.rewards.RewardRunner``, which also says which callables work
             in processes Lightning spawns); ``reward_weights`` weigh them (default 1 each).
         scale_rewards: divide by the group std (eq. 2); ``False`` centres only (Dr.GRPO).
+        system_prompt: the system message before each question (``None``: none). Left at its default, GSM8K's, a
+            ``reasoning_gym:<task>`` dataset gets reasoning-gym's own prompt instead (``lit_grpo.data.tasks``).
         engine: ``"transformers"`` (in-process copy of the policy), ``"vllm"`` (colocated vLLM) or ``"server"``
             (rollout servers over HTTP, ``ServerEngine``: ``engine_options: {url: ...}``).
         engine_options: the engine's options: a mapping checked against the group of ``engine`` (or that group),
@@ -195,8 +197,11 @@ class RolloutDataModule(L.LightningDataModule):
             ``package.module:factory`` (or in Python the factory itself) called with a dataset row (a dict) for each
             trajectory; the environment's ``reset()`` gives the first message(s), its ``step(completion)`` answers
             each model turn with ``(reply, reward, done)`` (``lit_grpo.environments.protocol``). Its rewards add up to
-            the trajectory's reward, and ``rewards`` (none by default here) add to it, scoring the last model turn.
+            the trajectory's reward; ``rewards`` (none by default here) are refused beside it unless
+            ``add_rewards_to_environment``, which adds their score of the last model turn to it.
             Rows are then handed over as they are (any fields). ``reasoning_gym:<task>`` datasets bring their own.
+        add_rewards_to_environment: asks for ``rewards`` to add to an environment's reward (else refused: a config's
+            ``[correctness]`` would score a right reasoning-gym answer 2).
         tools: tools the model may call (``package.module:function``, or in Python the functions): type-hinted,
             documented functions whose schemas the chat template renders; calls are parsed from the model's output
             (``multi_turn.tool_call_format``) and their results go back as tool messages. Without an environment,
@@ -236,6 +241,7 @@ class RolloutDataModule(L.LightningDataModule):
         dynamic_sampling: DynamicSampling = DynamicSampling(),  # noqa: B008 (frozen: a shared default is safe)
         overlong_penalty: OverlongPenalty = OverlongPenalty(),  # noqa: B008 (frozen)
         environment: str | Callable[[dict], Any] | None = None,
+        add_rewards_to_environment: bool = False,
         tools: list[str | Callable[..., Any]] | None = None,
         multi_turn: MultiTurnOptions = MultiTurnOptions(),  # noqa: B008 (frozen)
     ) -> None:
@@ -296,9 +302,12 @@ class RolloutDataModule(L.LightningDataModule):
         self.is_multi_turn = self.environment_factory is not None or bool(self.toolbox)
         self.trajectories: TrajectoryRunner | None = None
         self.env_errors = 0
-        # an environment's reward is the trajectory's: rewards then only add to it; tools alone keep correctness
+        # an environment's reward is the trajectory's: rewards beside it add to it only when asked for (a base
+        # config's [correctness] would make a right reasoning-gym answer score 2); tools alone keep correctness
         default_rewards = [] if self.environment_factory is not None else ["correctness"]
         specs = list(rewards) if rewards is not None else default_rewards
+        check_environment_rewards([reward_name(s) if isinstance(s, str) or callable(s) else s for s in specs],
+                                  environment, add_rewards_to_environment)
         if reward_weights is not None and len(reward_weights) != len(specs):
             names = [reward_name(s) if isinstance(s, str) or callable(s) else s for s in specs]
             raise ValueError(f"reward_weights has {len(reward_weights)} entries for {len(specs)} rewards {names}")
@@ -318,7 +327,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.micro_batch_tokens = micro_batch_tokens
         self.advantage_eps = advantage_eps
         self.scale_rewards = scale_rewards
-        self.system_prompt = system_prompt
+        #: a reasoning-gym task left with GSM8K's default prompt gets its own (``lit_grpo.data.tasks``)
+        self.system_prompt = system_prompt_for(dataset, system_prompt)
         self.engine_kind = engine
         self.engine_options = options
         self.reuse_policy_logprobs = reuse_policy_logprobs

@@ -5,16 +5,21 @@ environment, and procedurally generated tasks.
   (:func:`lit_grpo.data.gsm8k.load_gsm8k`: the bundled copy, a file, a directory, a Hub id, ``synthetic:<task>``).
 - With ``data.environment``: each row is handed to the environment's factory as it is, any fields (a file, a
   directory, a Hub id; ``synthetic:<task>`` rows too); only that each is a mapping is checked.
-- ``reasoning_gym:<task>``: tasks from the ``reasoning-gym`` package, whose own environment and scorer come with them
-  (:mod:`lit_grpo.environments.reasoning_gym`).
+- ``reasoning_gym:<task>``: tasks from the ``reasoning-gym`` package, whose own environment, scorer and system prompt
+  come with them (:mod:`lit_grpo.environments.reasoning_gym`).
+
+An environment's reward is the trajectory's: ``data.rewards`` beside it would add to it (a right reasoning-gym answer
+would score 1 + a GSM8K reward's 1), so they are refused unless ``data.add_rewards_to_environment`` asks for the sum
+(:func:`check_environment_rewards`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lit_grpo.data.gsm8k import SPLITS, load_gsm8k, read_rows
+from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
 
 REASONING_GYM = "reasoning_gym:"
 
@@ -44,3 +49,31 @@ def default_environment(source: str) -> str | None:
     if isinstance(source, str) and source.startswith(REASONING_GYM):
         return "lit_grpo.environments.reasoning_gym:ReasoningGymEnvironment"
     return None
+
+
+def system_prompt_for(source: str, system_prompt: str | None) -> str | None:
+    """The system prompt a run of ``source`` samples with: for ``reasoning_gym:<task>``, reasoning-gym's own prompt
+    (:func:`lit_grpo.environments.reasoning_gym.system_prompt`) when ``system_prompt`` is GSM8K's default, the value
+    ``data.system_prompt`` has when left unset (its ``#### <answer>`` format contradicts the ``<answer>`` tags the
+    task's scorer reads); any other value, ``None`` (no system message) included, as given."""
+    if isinstance(source, str) and source.startswith(REASONING_GYM) and system_prompt == DEFAULT_SYSTEM_PROMPT:
+        from lit_grpo.environments.reasoning_gym import system_prompt as task_prompt
+
+        return task_prompt()
+    return system_prompt
+
+
+def check_environment_rewards(rewards: list[str] | None, environment: str | Callable[..., Any] | None,
+                              add: bool) -> None:
+    """Refuse reward functions beside an environment unless ``add`` asks for their sum: the environment's reward
+    (a reasoning-gym task's score, in [0, 1]) is the trajectory's, and ``data.rewards`` (a base config's
+    ``[correctness]``, say) would add to it silently, so that a right answer scores 2. ``rewards`` are the reward
+    names (``None`` or empty: none given); ``environment`` is ``data.environment`` (``None``: there is none)."""
+    if environment is None or not rewards or add:
+        return
+    name = environment if isinstance(environment, str) else getattr(environment, "__qualname__",
+                                                                     type(environment).__name__)
+    raise ValueError(f"data.rewards {list(rewards)} would add to the reward of data.environment {name} (its "
+                     f"reward is the trajectory's; a right answer would score more than its 1); expected "
+                     f"data.rewards: [] to score with the environment alone, or data.add_rewards_to_environment: "
+                     f"true to add them on purpose")

@@ -31,6 +31,8 @@ from typing import Any
 PREFIX = "reasoning_gym:"
 #: how the model is told to write its answer: reasoning-gym's extractor reads the last <answer>...</answer> pair
 ANSWER_FORMAT = "Give your final answer between <answer> and </answer> tags, with nothing else inside the tags."
+#: the entry of reasoning-gym's ``reasoning_gym.utils.SYSTEM_PROMPTS`` a task is sampled with by default
+SYSTEM_PROMPT_NAME = "default"
 #: the spec's options and their defaults (``size``: train rows; ``test_size``: test rows; ``seed``: the train seed)
 OPTIONS: dict[str, int] = {"size": 1000, "test_size": 200, "seed": 0}
 SPLITS = ("train", "test")
@@ -55,6 +57,18 @@ def _import_reasoning_gym() -> Any:
         raise ReasoningGymMissing(f"data.dataset '{PREFIX}...' needs the reasoning-gym package ({error}); install "
                                   f"it with: {INSTALL_HINT}") from None
     return reasoning_gym
+
+
+def system_prompt() -> str:
+    """reasoning-gym's own default system prompt (``reasoning_gym.utils.SYSTEM_PROMPTS["default"]``, from
+    open-thought/reasoning-gym, Apache-2.0): reason step by step, then give only the answer inside
+    ``<answer>...</answer>``, the tags its extractor reads. A run of a task uses it when ``data.system_prompt`` is
+    left at its default, GSM8K's, whose ``#### <answer>`` format the task does not score
+    (:func:`lit_grpo.data.tasks.system_prompt_for`)."""
+    _import_reasoning_gym()
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    return SYSTEM_PROMPTS[SYSTEM_PROMPT_NAME]
 
 
 def task_names() -> list[str]:
