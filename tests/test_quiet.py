@@ -92,6 +92,31 @@ def project_warning_place() -> tuple[str, int]:
     return datamodule.__file__, next(i for i, line in enumerate(lines, 1) if line.strip() == PROJECT_WARNING_LINE)
 
 
+def pythons_own_printer():
+    """``warnings._showwarnmsg_impl`` as a process starts with it (pytest's recorder replaces it during a test)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("warnings")
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    return fresh._showwarnmsg_impl
+
+
+def test_a_recorder_of_warnings_keeps_them():
+    """``logging.captureWarnings``, or a test's ``catch_warnings(record=True)``, keeps getting the warnings: the
+    one-line printer takes the place of Python's own printer only."""
+    import warnings
+
+    from lit_grpo.core.quiet import OneLineWarnings, one_line_warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        one_line_warnings()
+        assert not isinstance(warnings.showwarning, OneLineWarnings)
+        warnings.warn("kept by the recorder", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["kept by the recorder"]
+
+
 def warned_beside_a_bar(capfd, message: str, filename: str, lineno: int) -> str:
     """What stderr shows when a warning comes while a progress bar is drawn on stderr (with ``one_line_warnings``
     in place)."""
@@ -101,20 +126,18 @@ def warned_beside_a_bar(capfd, message: str, filename: str, lineno: int) -> str:
 
     from lit_grpo.core.quiet import one_line_warnings
 
-    shown = warnings.showwarning
-    try:
+    with warnings.catch_warnings():  # puts back the printer and the filters afterwards
+        # as in a command-line process: Python's own printer, not pytest's recorder, shows warnings
+        warnings._showwarnmsg_impl = pythons_own_printer()
         one_line_warnings()
         one_line_warnings()  # once is enough: twice wraps nothing twice
         bar = tqdm(total=3, desc="step", file=sys.stderr, ascii=True)
         bar.update(1)
         capfd.readouterr()
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.warn_explicit(message, UserWarning, filename, lineno)
+        warnings.simplefilter("always")
+        warnings.warn_explicit(message, UserWarning, filename, lineno)
         bar.update(1)
         bar.close()
-    finally:
-        warnings.showwarning = shown
     return capfd.readouterr().err
 
 

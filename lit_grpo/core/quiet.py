@@ -114,7 +114,17 @@ class OneLineWarnings:
             pass
 
 
+def shows_warnings_as_python_does() -> bool:
+    """Whether warnings are still shown by Python's own printer: nobody replaced ``warnings.showwarning``, and no
+    ``warnings.catch_warnings(record=True)`` (pytest's, a user's) is collecting them, which it does by swapping
+    ``warnings._showwarnmsg_impl`` while leaving ``showwarning`` at the original."""
+    impl = getattr(warnings, "_showwarnmsg_impl", None)
+    return (warnings.showwarning is getattr(warnings, "_showwarning_orig", None)
+            and getattr(impl, "__module__", None) == "warnings")
+
+
 def one_line_warnings() -> None:
-    """From now on, show warnings as :class:`OneLineWarnings` does (once per process)."""
-    if not isinstance(warnings.showwarning, OneLineWarnings):
+    """From now on, show warnings as :class:`OneLineWarnings` does (once per process). Only in place of Python's own
+    printer: a printer someone installed (``logging.captureWarnings``, a test's recorder) keeps the warnings."""
+    if shows_warnings_as_python_does():
         warnings.showwarning = OneLineWarnings(project_folders())
