@@ -45,7 +45,7 @@ def serve(max_sessions: int) -> Iterator[str]:
                             stderr=log_file, text=True)
     try:
         # imported while the server starts (both take seconds): skipped, with the reason, without the extra
-        pytest.importorskip("openenv.core.generic_client", reason='needs openenv-core: pip install "lit_grpo[openenv]"')
+        pytest.importorskip("openenv.core.generic_client", reason=INSTALL_HINT)
         deadline = time.monotonic() + 60
         url = None
         while url is None:
@@ -230,7 +230,7 @@ def test_close_frees_the_servers_session_and_the_clients_thread(server_url):
 
 
 def test_a_server_that_is_down_gives_one_clear_line():
-    pytest.importorskip("openenv.core.generic_client", reason='needs openenv-core: pip install "lit_grpo[openenv]"')
+    pytest.importorskip("openenv.core.generic_client", reason=INSTALL_HINT)
     url = f"http://127.0.0.1:{free_port()}"
     before = loop_threads()
     env = OpenEnvFactory(base_url=url, connect_timeout_s=2.0)({"seed": 0})
@@ -283,7 +283,7 @@ def test_missing_package_names_the_extra(monkeypatch):
     with pytest.raises(ImportError) as raised:
         env.reset()
     assert str(raised.value).startswith(INSTALL_HINT)
-    assert 'pip install "lit_grpo[openenv]"' in INSTALL_HINT
+    assert 'pip install -e ".[openenv]"' in INSTALL_HINT  # the package is not on the index: a checkout's extra
 
 
 def test_a_config_names_the_factory_with_its_options():

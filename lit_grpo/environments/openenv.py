@@ -35,8 +35,9 @@ How a run names it. The data module calls the factory with a dataset row only, s
 The server must allow as many sessions as trajectories run at once (``create_app(..., max_concurrent_envs=N)`` with
 an environment marked ``SUPPORTS_CONCURRENT_SESSIONS``); one more is refused with the server's message.
 
-Installing: ``pip install "lit_grpo[openenv]"`` (``openenv-core``). Importing ``openenv`` takes seconds (its
-package imports its server side, gradio included); it happens once per process, on the first environment made.
+Installing: ``pip install -e ".[openenv]"`` in a checkout (the extra is ``openenv-core``). Importing ``openenv``
+takes seconds (its package imports its server side, gradio included); it happens once per process, on the first
+environment made.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from typing import Any
 from lit_grpo.core.import_paths import resolve_callable
 from lit_grpo.environments.protocol import Messages
 
-INSTALL_HINT = 'the OpenEnv adapter needs openenv-core: pip install "lit_grpo[openenv]"'
+INSTALL_HINT = ('the OpenEnv adapter needs openenv-core: pip install -e ".[openenv]" in a checkout, or '
+                'pip install "openenv-core>=0.3,<0.4"')
 ActionBuilder = Callable[[str], Any]
 ObservationRenderer = Callable[[dict[str, Any]], "str | Messages"]
 

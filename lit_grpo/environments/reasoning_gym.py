@@ -14,7 +14,7 @@ reasoning-gym's dataset for that configuration, seed and size; the test rows com
 (:func:`split_seed`), and a test question that also appears among the train questions, or earlier in the test rows,
 is dropped and replaced, so the two splits never share a question.
 
-reasoning-gym is an optional extra: ``pip install "lit_grpo[reasoning-gym]"``. It is imported only inside the
+reasoning-gym is an optional extra: ``pip install -e ".[reasoning-gym]"`` in a checkout. It is imported only inside the
 functions that need it.
 """
 
@@ -36,7 +36,7 @@ SYSTEM_PROMPT_NAME = "default"
 #: the spec's options and their defaults (``size``: train rows; ``test_size``: test rows; ``seed``: the train seed)
 OPTIONS: dict[str, int] = {"size": 1000, "test_size": 200, "seed": 0}
 SPLITS = ("train", "test")
-INSTALL_HINT = 'pip install "lit_grpo[reasoning-gym]"'
+INSTALL_HINT = 'pip install -e ".[reasoning-gym]" in a checkout, or pip install "reasoning-gym>=0.1.25,<0.2"'
 #: how many extra seeds the test split may draw from to replace questions that are already in the train split
 MAX_TEST_ROUNDS = 8
 
