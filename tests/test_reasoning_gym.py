@@ -175,7 +175,7 @@ def test_bad_split_and_bad_configuration_values():
 
 def test_missing_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError
-    with pytest.raises(rg.ReasoningGymMissing, match=r'pip install "lit_grpo\[reasoning-gym\]"') as caught:
+    with pytest.raises(rg.ReasoningGymMissing, match=r'pip install -e "\.\[reasoning-gym\]"') as caught:
         rg.parse_spec("reasoning_gym:chain_sum")
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, ImportError)
 
