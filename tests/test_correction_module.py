@@ -194,19 +194,11 @@ def test_corrections_and_entropy_terms_train_under_bf16_mixed(tmp_path, recorder
 def test_the_module_hands_the_correction_weight_to_the_loss():
     """One micro-batch step's gradient is the loss's with the weight computed independently here, and not the
     uncorrected one: the module passes the weight through, with pi_k as the denominator (proximal)."""
-    from dataclasses import replace
-
     from lit_grpo.core.scoring import completion_logprobs
     from lit_grpo.math.objective import grpo_loss
 
     module = tiny_module(correction=CorrectionOptions(mode="token_truncate", low=0.9, high=1.1, old_policy="proximal"))
-    module.manual_backward = lambda loss: loss.backward()  # no trainer: a plain backward
-    batch = handmade_batch([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0]], len(module.tokenizer), micro_batch_size=8)
-    (mb,) = list(batch.micro_batches())
-    with torch.no_grad():
-        pik, _ = completion_logprobs(module.policy, mb, 1.0)
-    mu = pik + 0.2 * torch.randn(pik.shape, generator=torch.Generator().manual_seed(3))
-    batch = replace(batch, sampler_logp=mu)
+    batch, mb, pik, mu, _ = sampled_micro_batch(module)
     weights = module.loss_weights(batch)
 
     def gradients(correction):
