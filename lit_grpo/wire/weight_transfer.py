@@ -214,6 +214,33 @@ def unpack(buffer: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[in
     return out
 
 
+def bucket_spans(sizes: Iterable[int], bucket_bytes: int) -> Iterator[tuple[int, int]]:
+    """The one cut of a weight push into buckets: ``[start, stop)`` index ranges of consecutive items whose bytes
+    (``sizes``, in the order they travel) add up to at most ``bucket_bytes``; an item larger than that travels alone.
+    An item joins the open bucket when the sum stays within the cap, else it opens the next one.
+
+    Every cut of a push is this one, so the same tensors make the same buckets whoever cuts them: the manifest of a
+    round (``push_format.round_manifest``), rank 0's gather of FSDP2 shards (``rank0_buckets``, planned up front so
+    every rank agrees) and the stream of a push (``buckets``). The cap is checked here, at the call; the spans are
+    lazy: a span comes out as soon as the item after it is seen (or ``sizes`` ends), so a stream is never read more
+    than one item ahead of its buckets."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes!r}")
+    return _spans(iter(sizes), bucket_bytes)
+
+
+def _spans(sizes: Iterator[int], bucket_bytes: int) -> Iterator[tuple[int, int]]:
+    start = total = count = 0
+    for index, size in enumerate(sizes):
+        count = index + 1
+        if index > start and total + size > bucket_bytes:
+            yield start, index
+            start, total = index, 0
+        total += size
+    if start < count:
+        yield start, count
+
+
 def buckets(named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int,
             convert=lambda t: t) -> Iterator[list[tuple[str, torch.Tensor]]]:  # noqa: ANN001
     """Group consecutive ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` (a larger tensor travels
