@@ -3,7 +3,8 @@
 They rely on the protocol in ``lit_grpo.callbacks.protocol`` (``policy``, ``reference``, ``tokenizer``,
 ``rollout_engine``), not on ``GRPOModule``, and check it when a fit starts: a module that does not follow it stops with
 one line (a ``ProtocolError``) naming the attribute and what it must be. They import ``core``, ``data``,
-``engines``, ``evaluation``, ``models`` and ``training``; never the command line.
+``engines``, ``evaluation`` and ``models``; never the training step (what they share with it, such as
+``log_measured``, is in ``core``) nor the command line.
 """
 
 from lit_grpo.callbacks.hf_export import HFExport

@@ -12,9 +12,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from lit_grpo.callbacks.protocol import check_weight_sync, engine_of, full_named_tensors, policy_of, refuse_second
 
+from lit_grpo.core.measured_metrics import log_measured
 from lit_grpo.engines.base import AdapterEngine, ReferenceServing, RolloutEngine
 from lit_grpo.models.lora import adapter_update, is_lora, merged_named_tensors, parameter_bytes
-from lit_grpo.training.measured_metrics import log_measured
 
 
 class WeightSync(Callback):
@@ -183,7 +183,7 @@ class WeightSync(Callback):
             self.syncs_by_interval += int(by_interval)
             self.syncs_by_tv += int(by_tv and not by_interval)
             # a sync's time and size exist at the steps that synced only: logged there, never repeated at the
-            # steps between syncs (lit_grpo.training.measured_metrics says why self.log alone would repeat them)
+            # steps between syncs (lit_grpo.core.measured_metrics says why self.log alone would repeat them)
             log_measured(pl_module, {"sync/seconds": self.last_sync_seconds, "sync/bytes": float(self.last_push_bytes)})
         self.deliver_due(trainer, pl_module)
         # sync/count and the counts by reason are counters, measured at every step whether it synced or not (0 before

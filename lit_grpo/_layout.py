@@ -44,7 +44,8 @@ MOVED: dict[str, str] = {
     "lit_grpo.precision": "lit_grpo.training.precision",
     "lit_grpo.scoring": "lit_grpo.core.scoring",
     "lit_grpo.flops": "lit_grpo.training.flops",
-    "lit_grpo.measured_metrics": "lit_grpo.training.measured_metrics",
+    "lit_grpo.measured_metrics": "lit_grpo.core.measured_metrics",
+    "lit_grpo.training.measured_metrics": "lit_grpo.core.measured_metrics",  # shared with the callbacks
     "lit_grpo.batch": "lit_grpo.core.batch",
     "lit_grpo.model_copies": "lit_grpo.models.copies",
     "lit_grpo.warm_start": "lit_grpo.training.warm_start",

@@ -176,8 +176,9 @@ ALLOWED = {
     "lit_grpo.training": {"lit_grpo.core", "lit_grpo.data", "lit_grpo.math", "lit_grpo.models"},
     "lit_grpo.evaluation": {"lit_grpo.core", "lit_grpo.data", "lit_grpo.engines", "lit_grpo.environments",
                             "lit_grpo.math", "lit_grpo.models"},
+    # a reusable callback works with any module that follows its protocol: nothing of the training step
     "lit_grpo.callbacks": {"lit_grpo.core", "lit_grpo.data", "lit_grpo.engines", "lit_grpo.evaluation",
-                           "lit_grpo.models", "lit_grpo.training"},
+                           "lit_grpo.models"},
 }
 #: the modules allowed at the top of lit_grpo/ beside the role folders
 TOP_MODULES = {"__init__.py", "__main__.py", "_layout.py"}
@@ -192,6 +193,15 @@ def test_every_role_imports_only_what_its_rule_allows():
     server_modules = {m for m in graph if package_of(m) == "lit_grpo.serve"}
     assert {"lit_grpo.engines.remote.client", "lit_grpo.engines.remote.weight_push"}.isdisjoint(
         set().union(*(graph[m] for m in server_modules)))
+
+
+def test_no_callback_imports_the_training_step():
+    # what a callback shares with GRPOModule (log_measured) lives in core, so a module of one's own can use both
+    graph = import_graph()
+    importers = sorted(f"{m} -> {e}" for m, edges in graph.items() if package_of(m) == "lit_grpo.callbacks"
+                       for e in edges if package_of(e) == "lit_grpo.training")
+    assert importers == [], "callbacks import the training step: " + ", ".join(importers)
+    assert "lit_grpo.training" not in ALLOWED["lit_grpo.callbacks"]
 
 
 def test_nothing_imports_the_command_line():

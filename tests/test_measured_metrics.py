@@ -1,5 +1,5 @@
 """Metrics that only some steps measure appear in the logs at those steps and nowhere else: Lightning hands a value
-logged once to the loggers again at every later step of the epoch (``lit_grpo.training.measured_metrics``), which showed
+logged once to the loggers again at every later step of the epoch (``lit_grpo.core.measured_metrics``), which showed
 step 0's trainer-sampler gap at every step of an asynchronous run. Read back from the TensorBoard event files.
 (K = 1 against a rollout server: tests/test_async_server.py.)"""
 

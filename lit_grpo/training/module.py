@@ -30,6 +30,7 @@ from lit_grpo.core.distributed import (
     rank_and_world,
     sum_over_ranks,
 )
+from lit_grpo.core.measured_metrics import log_measured
 from lit_grpo.core.option_groups import as_group, plain
 from lit_grpo.core.packing import packed_token_count, packing_supported
 from lit_grpo.core.quiet import quiet_lightning
@@ -54,7 +55,6 @@ from lit_grpo.models.loading import checkpointing_call, disable_dropout, load_mo
 from lit_grpo.models.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_model_of
 from lit_grpo.training.flops import device_peak_flops, parameter_count, processed_tokens
 from lit_grpo.training.losses import LossOptions, build_loss, check_loss_inputs, check_loss_output, loss_inputs
-from lit_grpo.training.measured_metrics import log_measured
 from lit_grpo.training.optim import OptimizerArgs, build_optimizer
 from lit_grpo.training.precision import check_trainer_precision, check_weights_dtype
 from lit_grpo.training.stat_reduction import merge_stats, reduce_stats

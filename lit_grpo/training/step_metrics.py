@@ -25,7 +25,7 @@ from lit_grpo.training.stat_reduction import ROLLOUT_PREFIX, iteration_key, over
 
 #: step metrics that only some steps measure: ``train/logp_gap_synced``, at the steps whose batch was sampled by the
 #: policy's current weights (staleness 0). ``GRPOModule`` logs them with
-# ``lit_grpo.training.measured_metrics.log_measured``,
+# ``lit_grpo.core.measured_metrics.log_measured``,
 #: so that the loggers get them at those steps only, never a stale value at the others.
 MEASURED_AT_SOME_STEPS = ("train/logp_gap_synced",
                           # the first-push check (lit_grpo.data.sampler_check): the first batch of pushed weights only
