@@ -29,10 +29,10 @@ from lit_grpo.data.staleness import (
     token_versions,
 )
 from lit_grpo.engines.base import Completion, SamplingConfig
-from lit_grpo.engines.remote.client import ServerEngine, version_spans
+from lit_grpo.engines.remote.client import ServerEngine, read_version_spans
 from lit_grpo.engines.transformers_engine import TransformersEngine
 from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
-from lit_grpo.serve.generation import version_spans as served_spans
+from lit_grpo.serve.generation import make_version_spans
 from lit_grpo.wire.protocol import ServerError
 
 TEXTS = ("What is 2+2?", "Name a prime.")
@@ -226,17 +226,17 @@ def test_a_keep_pause_is_authenticated_and_a_push_cut_off_leaves_the_old_weights
 def test_span_bookkeeping_and_the_checkpoint_state_of_mixed_completions():
     # the server's spans: cut where the version went on, a version that began after the completion ended is left out
     starts = [("1", None), ("2", [5, 2, 0])]  # row 1 had 2 tokens at the swap, row 2 was not admitted yet
-    assert served_spans(starts, 0, 9) == [{"version": "1", "start": 0, "end": 5},
-                                          {"version": "2", "start": 5, "end": 9}]
-    assert served_spans(starts, 0, 5) == [{"version": "1", "start": 0, "end": 5}]  # it had ended at the swap
-    assert served_spans(starts, 2, 4) == [{"version": "2", "start": 0, "end": 4}]  # all its tokens are new
-    assert served_spans(starts, 1, 0) == [{"version": "1", "start": 0, "end": 0}]
+    assert make_version_spans(starts, 0, 9) == [{"version": "1", "start": 0, "end": 5},
+                                                {"version": "2", "start": 5, "end": 9}]
+    assert make_version_spans(starts, 0, 5) == [{"version": "1", "start": 0, "end": 5}]  # it had ended at the swap
+    assert make_version_spans(starts, 2, 4) == [{"version": "2", "start": 0, "end": 4}]  # all its tokens are new
+    assert make_version_spans(starts, 1, 0) == [{"version": "1", "start": 0, "end": 0}]
     # the client's reading: back to back from 0, or a ServerError naming the spans
-    assert version_spans([{"version": "1", "start": 0, "end": 5}, {"version": "2", "start": 5, "end": 9}], 9,
-                         "s") == (("1", "2"), (5, 4))
-    assert version_spans([{"version": 7}], 3, "s") == (("7",), ())
+    assert read_version_spans([{"version": "1", "start": 0, "end": 5}, {"version": "2", "start": 5, "end": 9}], 9,
+                              "s") == (("1", "2"), (5, 4))
+    assert read_version_spans([{"version": 7}], 3, "s") == (("7",), ())
     with pytest.raises(ServerError, match="back to back"):
-        version_spans([{"version": "1", "start": 0, "end": 4}, {"version": "2", "start": 5, "end": 9}], 9, "s")
+        read_version_spans([{"version": "1", "start": 0, "end": 4}, {"version": "2", "start": 5, "end": 9}], 9, "s")
     old = Completion([1, 2, 3], [-0.1, -0.2, -0.3], False, ("4",))
     mixed = Completion([4, 5, 6, 7], [-1.0, -1.5, -2.0, -2.5], True, ("3", "5"), span_lengths=(1, 3))
     groups = [[old, mixed]]

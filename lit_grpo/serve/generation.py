@@ -35,7 +35,7 @@ class Aborted(Exception):
 Starts = list[tuple[str | None, list[int] | None]]
 
 
-def version_spans(starts: Starts, row: int, length: int) -> list[dict]:
+def make_version_spans(starts: Starts, row: int, length: int) -> list[dict]:
     """Row ``row``'s ``weight_versions`` (``[{version, start, end}]``) from its request's ``starts``, the row having
     ``length`` tokens: the spans of the versions that sampled at least one of its tokens, each ending where the next
     begins (a version it took up after its tokens ended, or one it never sampled under, not admitted yet, has
@@ -120,7 +120,7 @@ class GenerationRoutes:
                     "stop_reason": stop_reason,
                     "token_ids": ids if request.return_token_ids else None,
                     "prompt_token_ids": request.prompts[p] if request.return_token_ids else None,
-                    "weight_versions": (version_spans(starts, p * request.n + j, len(ids))
+                    "weight_versions": (make_version_spans(starts, p * request.n + j, len(ids))
                                         if request.return_weight_versions else None),
                 }
                 choices.append(choice)

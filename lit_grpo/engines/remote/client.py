@@ -428,7 +428,7 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
                 raise ServerError(f"{where} returned a completion with a missing log-prob")
             if c.get("finish_reason") not in ("stop", "length"):
                 raise ServerError(f"{where} did not finish a completion (finish_reason={c.get('finish_reason')!r})")
-            labels, lengths = version_spans(c.get("weight_versions"), len(ids), where)
+            labels, lengths = read_version_spans(c.get("weight_versions"), len(ids), where)
             versions.update(labels)
             unknown = unknown or not labels
             completions.append(Completion([int(t) for t in ids], [float(v) for v in logprobs],
@@ -499,7 +499,7 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         self.load_adapter(update, step)
 
 
-def version_spans(spans: Any, length: int, where: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def read_version_spans(spans: Any, length: int, where: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """A completion's ``weight_versions`` as ``Completion.versions`` and ``span_lengths``: the version of each span,
     and how many tokens each covered when there are several (``()`` for one span, the common case). Spans must cover
     the ``length`` tokens back to back from 0 when there are several (one span is taken to cover every token, as
