@@ -23,11 +23,10 @@ from lit_grpo.wire.push_format import (
     bucket_manifest,
     check_round,
     pack_bucket,
-    plan_spans,
     round_manifest,
     validate,
 )
-from lit_grpo.wire.weight_transfer import open_group, open_store, unpack
+from lit_grpo.wire.weight_transfer import bucket_spans, open_group, open_store, unpack
 
 F32, BF16, I64, U8 = torch.float32, torch.bfloat16, torch.int64, torch.uint8
 #: 24, 8, 40 and 3 bytes
@@ -59,19 +58,13 @@ MALFORMED = {
 
 
 # ---- the packer ---------------------------------------------------------------------------------------------------
-def test_plan_spans_cuts_consecutive_runs_of_at_most_the_bucket():
-    assert plan_spans([3, 3, 5, 1, 10, 2, 2], 6) == [(0, 2), (2, 4), (4, 5), (5, 7)]
-    assert plan_spans([7], 6) == [(0, 1)]  # larger than a bucket: alone
-    assert plan_spans([], 6) == []
-    with pytest.raises(ValueError, match="bucket_bytes must be >= 1, got 0"):
-        plan_spans([1], 0)
-
-
 def test_round_manifest_is_the_json_of_the_round_with_its_spans():
     manifest = round_manifest(ENTRIES, 32)
     assert manifest.to_json() == GOOD  # 24 + 8 = 32 fit; 40 alone; 3 alone (40 + 3 > 32)
     assert PushManifest.from_json(GOOD) == manifest
     assert validate(manifest, HELD) == [F32, BF16, I64, U8]
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 1, got 0"):
+        round_manifest(ENTRIES, 0)
 
 
 def test_a_bucket_is_packed_once_and_unpacks_to_the_same_tensors():
@@ -295,7 +288,7 @@ def test_the_project_server_loads_a_well_formed_round_through_the_same_path(tiny
         sender = joined_receiver(server)
         receiver.start_weight_update({}, {})
         params = [(name, p.detach() + 1) for name, p in model.named_parameters()]
-        for start, stop in plan_spans([p.numel() * 4 for _, p in params], 1 << 16):
+        for start, stop in bucket_spans([p.numel() * 4 for _, p in params], 1 << 16):
             manifest, payload = packed_round(params[start:stop])
             sending = sender.broadcast(payload)
             receiver.update_weights({"update_info": manifest.to_json()}, {})

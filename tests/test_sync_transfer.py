@@ -21,10 +21,18 @@ import torch.distributed as dist
 
 from lit_grpo.engines.remote import weight_push
 from lit_grpo.engines.remote.client import ServerEngine
-from lit_grpo.engines.remote.weight_gather import plan_buckets, shard_rows
+from lit_grpo.engines.remote.weight_gather import shard_rows
 from lit_grpo.wire import weight_transfer
 from lit_grpo.wire.protocol import HTTPClient, ServerError
-from lit_grpo.wire.weight_transfer import NCCL_GROUP_ENV, buckets, open_group, pack, packed_view, transport_device
+from lit_grpo.wire.weight_transfer import (
+    NCCL_GROUP_ENV,
+    bucket_spans,
+    buckets,
+    open_group,
+    pack,
+    packed_view,
+    transport_device,
+)
 
 URL = "http://10.1.2.3:8765"
 #: what ProcessGroupNCCL's wait raises when a broadcast outlives the group's timeout
@@ -181,14 +189,51 @@ def test_shard_rows_split_like_torch_chunk():
                 assert list(range(start, stop)) == expected, (rows, shards, index)
 
 
-def test_plan_buckets_groups_like_the_streaming_buckets():
-    sizes = [3, 3, 5, 1, 10, 2, 2]
-    assert plan_buckets(sizes, 6) == [[0, 1], [2, 3], [4], [5, 6]]
-    tensors = [(str(i), torch.zeros(size, dtype=torch.uint8)) for i, size in enumerate(sizes)]
-    streamed = [[int(name) for name, _ in bucket] for bucket in buckets(iter(tensors), 6)]
-    assert streamed == plan_buckets(sizes, 6)
+def test_bucket_spans_cut_consecutive_runs_of_at_most_the_bucket():
+    assert list(bucket_spans([3, 3, 5, 1, 10, 2, 2], 6)) == [(0, 2), (2, 4), (4, 5), (5, 7)]
+    assert list(bucket_spans([7], 6)) == [(0, 1)]  # larger than a bucket: alone
+    assert list(bucket_spans([], 6)) == []
+    assert list(bucket_spans([6, 6, 6], 6)) == [(0, 1), (1, 2), (2, 3)]  # exactly full: the next one opens a bucket
+    assert list(bucket_spans([1] * 13, 5)) == [(0, 5), (5, 10), (10, 13)]
+    # empty tensors join the open bucket while it is within the cap; after a tensor above the cap they start anew
+    assert list(bucket_spans([0, 6, 0, 7, 0], 6)) == [(0, 3), (3, 4), (4, 5)]
     with pytest.raises(ValueError, match="bucket_bytes must be >= 1, got 0"):
-        plan_buckets(sizes, 0)
+        bucket_spans([1], 0)  # at the call, before anything is read
+
+
+def test_bucket_spans_read_a_stream_one_item_ahead_only():
+    read = []
+
+    def sizes():
+        for index, size in enumerate([3, 3, 5, 1, 10]):
+            read.append(index)
+            yield size
+
+    spans = bucket_spans(sizes(), 6)
+    assert read == []
+    assert next(spans) == (0, 2) and read == [0, 1, 2]
+    assert next(spans) == (2, 4) and read == [0, 1, 2, 3, 4]
+    assert next(spans) == (4, 5) and list(spans) == []
+
+
+def test_streamed_buckets_are_the_bucket_spans_handed_out_as_soon_as_full():
+    sizes = [3, 3, 5, 1, 10, 2, 2]
+    converted = []
+
+    def convert(tensor):
+        converted.append(tensor.numel())
+        return tensor.float()  # a cast: the bucket is cut by the converted bytes (4 per element)
+
+    tensors = [(str(i), torch.zeros(size, dtype=torch.uint8)) for i, size in enumerate(sizes)]
+    stream = buckets(iter(tensors), 24, convert)
+    first = next(stream)
+    assert [name for name, _ in first] == ["0", "1"] and len(converted) == 3  # one tensor ahead, no more
+    assert all(t.dtype == torch.float32 for _, t in first)
+    streamed = [[int(name) for name, _ in bucket] for bucket in [first, *stream]]
+    assert streamed == [list(range(a, b)) for a, b in bucket_spans([4 * s for s in sizes], 24)]
+    assert streamed == [[0, 1], [2, 3], [4], [5, 6]]
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 1, got 0"):
+        next(buckets(iter(tensors), 0))
 
 
 def test_a_bucket_lying_back_to_back_is_packed_without_a_copy():

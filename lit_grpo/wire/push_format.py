@@ -8,8 +8,8 @@ and shapes, in the order they travel, and its buckets as ``spans``, ``[start, st
 ``shapes`` are vLLM's ``update_info`` fields; an announcement without ``spans`` is one bucket.
 
 - The packer (trainer side): ``round_manifest`` cuts a round's metadata into buckets of at most ``bucket_bytes``
-  (``plan_spans``; a larger tensor travels alone), ``bucket_manifest`` announces a bucket already gathered, and
-  ``pack_bucket`` gives a bucket's manifest with its bytes.
+  (``weight_transfer.bucket_spans``, the one cut of every push; a larger tensor travels alone), ``bucket_manifest``
+  announces a bucket already gathered, and ``pack_bucket`` gives a bucket's manifest with its bytes.
 - The validator (receiver side): ``validate`` checks a manifest against what the receiver holds (``Expected``:
   every name known and sent once, dtypes and shapes matching, spans covering the tensors in order with bytes that
   add up, no bucket above the receiver's limit) before a byte is received, and raises one ``PushFormatError`` that
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lit_grpo.wire.weight_transfer import DTYPES, dtype_name, nbytes, pack, unpack, wait_work
+from lit_grpo.wire.weight_transfer import DTYPES, bucket_spans, dtype_name, nbytes, pack, unpack, wait_work
 
 #: how many bad entries a refusal lists
 SHOWN_ERRORS = 5
@@ -138,29 +138,12 @@ def is_int_list(value: Any) -> bool:
 
 
 # ---- the packer (trainer side) ------------------------------------------------------------------------------------
-def plan_spans(sizes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` index ranges of consecutive tensors whose bytes add up to at most ``bucket_bytes`` (a larger
-    tensor alone): the same cut as ``weight_transfer.buckets`` makes of a stream."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes!r}")
-    spans: list[tuple[int, int]] = []
-    start, total = 0, 0
-    for index, size in enumerate(sizes):
-        if index > start and total + size > bucket_bytes:
-            spans.append((start, index))
-            start, total = index, 0
-        total += size
-    if start < len(sizes):
-        spans.append((start, len(sizes)))
-    return spans
-
-
 def round_manifest(entries: Iterable[tuple[str, torch.dtype, Iterable[int]]], bucket_bytes: int) -> PushManifest:
     """The manifest of a whole round from its metadata, ``(name, dtype, shape)`` in the order the tensors travel,
     cut into buckets of at most ``bucket_bytes``."""
     entries = [(name, dtype, [int(s) for s in shape]) for name, dtype, shape in entries]
     sizes = [nbytes(dtype, shape) for _, dtype, shape in entries]
-    spans = [[start, stop, sum(sizes[start:stop])] for start, stop in plan_spans(sizes, bucket_bytes)]
+    spans = [[start, stop, sum(sizes[start:stop])] for start, stop in bucket_spans(sizes, bucket_bytes)]
     return PushManifest([e[0] for e in entries], [dtype_name(e[1]) for e in entries], [e[2] for e in entries], spans)
 
 

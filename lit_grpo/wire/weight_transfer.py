@@ -230,6 +230,7 @@ def bucket_spans(sizes: Iterable[int], bucket_bytes: int) -> Iterator[tuple[int,
 
 
 def _spans(sizes: Iterator[int], bucket_bytes: int) -> Iterator[tuple[int, int]]:
+    """``bucket_spans`` past its check of the cap (a generator checks nothing until it is first read)."""
     start = total = count = 0
     for index, size in enumerate(sizes):
         count = index + 1
@@ -244,17 +245,17 @@ def _spans(sizes: Iterator[int], bucket_bytes: int) -> Iterator[tuple[int, int]]
 def buckets(named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int,
             convert=lambda t: t) -> Iterator[list[tuple[str, torch.Tensor]]]:  # noqa: ANN001
     """Group consecutive ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` (a larger tensor travels
-    alone). ``convert`` is applied to each tensor as it arrives (a cast to the server's dtype); a bucket is
-    handed out as soon as it is full, so at most one bucket is held at a time."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        tensor = convert(tensor)
-        tensor_bytes = tensor.numel() * tensor.element_size()
-        if bucket and size + tensor_bytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += tensor_bytes
-    if bucket:
-        yield bucket
+    alone), cut by ``bucket_spans`` on the converted tensors' bytes. ``convert`` is applied to each tensor as it
+    arrives (a cast to the server's dtype); a bucket is handed out as soon as it is full, so at most one bucket
+    (and the tensor after it) is held at a time."""
+    held: list[tuple[str, torch.Tensor]] = []  # the open bucket, then the tensor that closed it
+
+    def sizes() -> Iterator[int]:
+        for name, tensor in named_tensors:
+            tensor = convert(tensor)
+            held.append((name, tensor))
+            yield tensor.numel() * tensor.element_size()
+
+    for start, stop in bucket_spans(sizes(), bucket_bytes):
+        yield held[: stop - start]
+        del held[: stop - start]

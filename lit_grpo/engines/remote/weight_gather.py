@@ -20,6 +20,7 @@ from lit_grpo.core.distributed import (
     rank_and_world,
     strip_wrapper_prefixes,
 )
+from lit_grpo.wire.weight_transfer import bucket_spans
 
 
 def fsdp2_source(named_tensors: object) -> nn.Module | None:
@@ -38,24 +39,6 @@ def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
     chunk = -(-rows // shards)
     start = min(index * chunk, rows)
     return start, min(start + chunk, rows)
-
-
-def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Indices of consecutive items grouped into buckets of at most ``bucket_bytes`` (an item larger than that
-    travels alone): the grouping of ``lit_grpo.wire.weight_transfer.buckets``, computed up front so every rank
-    agrees."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes!r}")
-    plan: list[list[int]] = []
-    size = 0
-    for index, item in enumerate(sizes):
-        if plan and plan[-1] and size + item <= bucket_bytes:
-            plan[-1].append(index)
-            size += item
-        else:
-            plan.append([index])
-            size = item
-    return plan
 
 
 class GatherBuffer:
@@ -174,7 +157,7 @@ def rank0_buckets(module: nn.Module, bucket_bytes: int,
     p2p, group, device = _p2p_plan([param for _, param in named])
     buffer = buffer if buffer is not None else GatherBuffer()
     sizes = [param.numel() * param.element_size() for _, param in named]
-    for indices in plan_buckets(sizes, bucket_bytes):
-        bucket = _gather_bucket([named[i] for i in indices], [p2p[i] for i in indices], buffer, group, device)
+    for start, stop in bucket_spans(sizes, bucket_bytes):  # planned up front: every rank cuts the same buckets
+        bucket = _gather_bucket(named[start:stop], p2p[start:stop], buffer, group, device)
         if bucket:
             yield bucket
