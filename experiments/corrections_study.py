@@ -24,9 +24,10 @@ so they would repeat ``none`` except in the bf16 column), OPSM and DPPO-TV with 
 stays around alpha, as DeepSeek-V3.2 and prime-rl use their masks);
 ``dppo_loss``: DPPO's Binary-TV as the loss (``model.loss: dppo_tv``, the mask instead of the clip).
 
-Output in ``--out``: ``curves.json`` (settings, per-cell summaries, every run's raw curves: held-out Pass@1,
-train reward, TV, mismatch, masked and truncated fractions, evaluation times), ``corrections_study.png`` and the
-Markdown table docs/corrections-study.md quotes. Finished runs are kept, so an interrupted sweep resumes.
+Output in ``--out``: ``curves.json.gz`` (settings, per-cell summaries, every run's raw curves: held-out Pass@1,
+train reward, TV, mismatch, masked and truncated fractions, evaluation times; compact gzip'd JSON, see
+``curves_file.py``), ``corrections_study.png`` and the Markdown table docs/corrections-study.md quotes. Finished
+runs are kept (each in ``runs/<cell>/curves.json``), so an interrupted sweep resumes.
 
     python experiments/corrections_study.py                      # the committed grid, 3 seeds
     python experiments/corrections_study.py --plot-only
@@ -45,6 +46,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from curves_file import CURVES_FILE, read_curves, write_curves
 from fig2_miniature import model_for, read_run
 from miniature_server import MiniatureServer, parameter_checksums
 from miniature_stats import mean_std, seconds_since_first, wall_clock_curve
@@ -289,9 +291,9 @@ def plot(results: list[dict], path: Path, settings: list[str], rows: list[str]) 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    curves = args.out / "curves.json"
+    curves = args.out / CURVES_FILE
     if args.plot_only:
-        saved = json.loads(curves.read_text())
+        saved = read_curves(curves)
         results, settings = saved["runs"], saved["settings"]
     else:
         model_name, warm_start = model_for("add_2digit")
@@ -306,15 +308,15 @@ def main(argv: list[str] | None = None) -> None:
         settings["sweep_seconds"] = time.perf_counter() - start
         print(f"{len(jobs)} runs in {settings['sweep_seconds']:.0f} s", flush=True)
         if curves.exists():  # keep cells of earlier sweeps that this one did not run
-            earlier = json.loads(curves.read_text())["runs"]
+            earlier = read_curves(curves)["runs"]
             keys = {(r["setting"], r["row"], r["seed"]) for r in results}
             results = [r for r in earlier if (r["setting"], r["row"], r["seed"]) not in keys] + results
     results = [deduplicated(r) for r in results]
     stats = summarise(results)
     order_s = [s for s in SETTINGS if s in stats]
     order_r = [r for r in ROWS if any(r in stats[s] for s in order_s)]
-    curves.write_text(json.dumps({"config": str(CONFIG.relative_to(REPO_ROOT)), "max_tv": MAX_TV,
-                                  "settings": settings, "summary": stats, "runs": results}, indent=1))
+    write_curves(curves, {"config": str(CONFIG.relative_to(REPO_ROOT)), "max_tv": MAX_TV, "settings": settings,
+                          "summary": stats, "runs": results})
     figure = args.out / "corrections_study.png"
     plot(results, figure, order_s, order_r)
     print(table(stats, order_s, order_r))

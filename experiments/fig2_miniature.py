@@ -36,9 +36,10 @@ near 0.2; not tried yet).
 
 The x axis is optimizer steps (``trainer.global_step``), as in Fig. 2; the paper suite also plots Pass@1 against
 wall-clock seconds since the first evaluation (evaluation time included, the same for every row). Output, in
-``--out``: ``curves.json`` (the settings, the warm-start's weight fingerprint, a per-row summary, and every run's
-raw ``(step, value)`` series of held-out Pass@1, train reward, KL, TV, syncs and swaps, ``wall_clock``: the
-``(step, seconds)`` of every evaluation, and the run's wall time), the figure, and the runs' TensorBoard folders.
+``--out``: ``curves.json.gz`` (compact gzip'd JSON, ``curves_file.py``: the settings, the warm-start's weight
+fingerprint, a per-row summary, and every run's raw ``(step, value)`` series of held-out Pass@1, train reward, KL,
+TV, syncs and swaps, ``wall_clock``: the ``(step, seconds)`` of every evaluation, and the run's wall time), the
+figure, and the runs' TensorBoard folders.
 Runs already finished in ``--out`` are kept, so an interrupted sweep picks up where it stopped. The script ends by
 printing the Markdown table (mean ± std over seeds) docs/miniature.md quotes.
 
@@ -46,7 +47,7 @@ printing the Markdown table (mean ± std over seeds) docs/miniature.md quotes.
     python experiments/fig2_miniature.py --suite paper                # Fig. 2's settings: 7 rows x 5 seeds
     python experiments/fig2_miniature.py --suite paper --rows v1-i1 v1-i1-k1 --seeds 0 --steps 8 \\
         --eval-every 4 --eval-questions 16 --out /path/to/smoke      # a quick look
-    python experiments/fig2_miniature.py --suite paper --plot-only    # redraw and reprint from curves.json
+    python experiments/fig2_miniature.py --suite paper --plot-only    # redraw and reprint from curves.json.gz
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from curves_file import CURVES_FILE, read_curves, write_curves
 from miniature_server import MiniatureServer, parameter_checksums
 from miniature_stats import mean_std, seconds_since_first, smooth, summary, table, wall_clock_curve
 
@@ -399,10 +401,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     suite = SUITES[args.suite]
     args.out.mkdir(parents=True, exist_ok=True)
-    curves = args.out / "curves.json"
+    curves = args.out / CURVES_FILE
     figure = args.out / ("fig2_miniature.png" if suite.name == "rec" else "fig2_paper.png")
     if args.plot_only:
-        saved = json.loads(curves.read_text())
+        saved = read_curves(curves)
         results, settings = saved["runs"], saved.get("settings", {})
     else:
         model_name, warm_start = model_for(args.task, args.warm_start_label_smoothing)
@@ -419,12 +421,12 @@ def main(argv: list[str] | None = None) -> None:
             results = list(pool.map(lambda job: run_one(suite, *job, args, model_name, baseline), jobs))
         print(f"{len(jobs)} runs in {time.perf_counter() - start:.0f} s", flush=True)
         if curves.exists():  # keep rows of earlier sweeps that this one did not run
-            earlier = json.loads(curves.read_text())["runs"]
+            earlier = read_curves(curves)["runs"]
             keys = {(r["row"], r["seed"]) for r in results}
             results = [r for r in earlier if (r["row"], r["seed"]) not in keys] + results
     stats = summary(results, list(suite.rows))
-    curves.write_text(json.dumps({"config": str(CONFIG.relative_to(REPO_ROOT)), "max_tv": MAX_TV,
-                                  "settings": settings, "summary": stats, "runs": results}, indent=1))
+    write_curves(curves, {"config": str(CONFIG.relative_to(REPO_ROOT)), "max_tv": MAX_TV, "settings": settings,
+                          "summary": stats, "runs": results})
     if suite.name == "rec":
         plot_rec(results, figure)
     else:

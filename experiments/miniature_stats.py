@@ -1,7 +1,7 @@
 """Seed statistics of the miniature Fig. 2 runs (``fig2_miniature.py``): curves averaged over seeds, against
 optimizer steps and against wall-clock seconds, per-row summaries and the Markdown table rows docs/miniature.md quotes.
 
-A run is the dict ``fig2_miniature.py`` writes to ``curves.json``: ``{"row", "seed", "wall_s", "series": {name:
+A run is the dict ``fig2_miniature.py`` writes to ``curves.json.gz``: ``{"row", "seed", "wall_s", "series": {name:
 [(step, value), ...]}, "wall_clock": [(step, seconds), ...]}``, where ``wall_clock`` gives, for every Pass@1
 evaluation, the seconds since the first one (older runs lack it).
 """

@@ -53,3 +53,15 @@ def test_summary_and_table_per_cell():
     text = study.table(stats, ["on-policy", "v8"], ["none", "tis", "maxtv"])
     assert "| none | - | 0.60 ± 0.10 [0.50] |" in text
     assert "n/a (v = 1 already syncs every step)" in text
+
+
+def test_plot_only_redraws_from_the_compressed_curves_and_writes_them_back(tmp_path, monkeypatch, capsys):
+    committed = study.OUT / "curves.json.gz"
+    (tmp_path / "curves.json.gz").write_bytes(committed.read_bytes())
+    drawn = []
+    monkeypatch.setattr(study, "plot", lambda results, path, settings, rows: drawn.append((len(results), path)))
+    study.main(["--plot-only", "--out", str(tmp_path)])
+    assert drawn == [(87, tmp_path / "corrections_study.png")]  # 29 cells x 3 seeds
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.json.gz"]  # no plain curves.json beside it
+    assert (tmp_path / "curves.json.gz").read_bytes() == committed.read_bytes()  # the same results, the same bytes
+    assert "| none |" in capsys.readouterr().out

@@ -191,3 +191,18 @@ def test_weights_fingerprint_is_bit_exact() -> None:
     with torch.no_grad():
         clone.weight[0, 0] = torch.nextafter(clone.weight[0, 0], torch.tensor(1.0))  # one ulp
     assert weights_fingerprint(model) != weights_fingerprint(clone)
+
+
+@pytest.mark.parametrize(("suite", "folder", "figure", "runs"), [
+    ("rec", "fig2_miniature", "plot_rec", 39), ("paper", "fig2_paper", "plot_paper", 35)])
+def test_plot_only_redraws_from_the_compressed_curves(suite, folder, figure, runs, tmp_path, monkeypatch) -> None:
+    from curves_file import read_curves
+
+    committed = fig2.RESULTS / folder / "curves.json.gz"
+    (tmp_path / "curves.json.gz").write_bytes(committed.read_bytes())
+    drawn = []
+    monkeypatch.setattr(fig2, figure, lambda results, path, *rest: drawn.append((len(results), path.name)))
+    fig2.main(["--suite", suite, "--plot-only", "--out", str(tmp_path)])
+    assert drawn == [(runs, f"{folder}.png")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.json.gz"]
+    assert read_curves(tmp_path / "curves.json.gz")["runs"] == read_curves(committed)["runs"]
