@@ -92,7 +92,7 @@ def test_predict_alone_has_the_predictions_section(subcommand, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["lit_grpo"])
     with pytest.raises(SystemExit) as exit_:
-        main([subcommand, "--help"])
+        main([subcommand, "--help-all"])  # LightningCLI's own help (`fit --help` is the short list)
     assert exit_.value.code == 0
     help_text = capsys.readouterr().out
     assert f"python -m lit_grpo [options] {subcommand}" in help_text  # the usage says how the CLI is run

@@ -119,5 +119,5 @@ def main_help(monkeypatch, capsys) -> str:  # noqa: ANN001
     from lit_grpo.cli.lightning_cli import main
 
     with pytest.raises(SystemExit):
-        main(["fit", "--help"])
+        main(["fit", "--help-all"])  # every option (`fit --help` is the short list)
     return capsys.readouterr().out

@@ -112,3 +112,44 @@ def test_the_training_module_has_no_entry_of_its_own():
     from lit_grpo.cli import lightning_cli as cli
 
     assert cli.main is commands.main and cli.run is commands.run
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_fit_help_is_the_short_list_before_torch_loads(flag, tmp_path):
+    from lit_grpo.cli.fit_help import FIT_OPTIONS
+
+    result, out, err = probe("fit", flag, cwd=tmp_path)
+    assert result == {"code": 0, "loaded": []}, err[-2000:]
+    assert out.startswith("usage: python -m lit_grpo fit") and len(out.splitlines()) < 50
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  --")}
+    for option, default, what in FIT_OPTIONS:
+        assert option in rows and rows[option].rstrip().endswith(what) and f" {default} " in rows[option], option
+    assert "python -m lit_grpo fit --help-all" in out  # the pointer to every option
+
+
+def test_fit_help_lists_the_parsers_options_in_order_with_its_defaults(tmp_path, monkeypatch, capsys):
+    """The short list is written by hand: each option exists in LightningCLI's full help (``fit --help-all``), in
+    the same order, and its default is the parser's (``fit --print_config``)."""
+    import yaml
+
+    from lit_grpo.cli.commands import main
+    from lit_grpo.cli.fit_help import FIT_OPTIONS
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lit_grpo"])
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--help-all"])
+    assert exit_.value.code == 0
+    full = capsys.readouterr().out
+    assert "python -m lit_grpo [options] fit" in full and "--trainer.num_nodes" in full  # not in the short list
+    positions = [full.index(f"\n  {option} ") if option != "--config" else full.index("--config CONFIG")
+                 for option, _, _ in FIT_OPTIONS]
+    assert positions == sorted(positions), "FIT_OPTIONS is not in the parser's order"
+    with pytest.raises(SystemExit):
+        main(["fit", "--print_config"])
+    defaults = yaml.safe_load(capsys.readouterr().out)
+    for option, default, _ in FIT_OPTIONS[1:]:  # --config has no default
+        node = defaults
+        for part in option.removeprefix("--").split("."):
+            node = node[part]
+        assert node == (yaml.safe_load(default) if default else None), option

@@ -21,6 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from lit_grpo.cli.fit_help import HELP_ALL, fit_help, help_request
+
 DEBUG_ENV = "LIT_GRPO_DEBUG"
 
 #: subcommands that are not Trainer methods -> the module whose ``main(argv)`` runs them
@@ -107,6 +109,14 @@ def main(args: Sequence[str] | None = None) -> Any:
     if argv and argv[0] in TOOLS:
         run_tool(argv[0], argv[1:])
         return None
+    wanted = help_request(argv)
+    if wanted == "short":  # answered here: LightningCLI's parser takes seconds of imports to build
+        print(fit_help(PROG))
+        raise SystemExit(0)
+    if wanted == "all":  # LightningCLI's own --help, every option
+        argv = ["--help" if arg == HELP_ALL else arg for arg in argv]
+        if args is None:
+            sys.argv[1:] = argv
     # None, not sys.argv's copy: LightningCLI reads sys.argv itself and warns when it is given both
     return importlib.import_module(TRAINING).train(None if args is None else argv)
 
