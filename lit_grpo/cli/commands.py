@@ -117,6 +117,12 @@ def main(args: Sequence[str] | None = None) -> Any:
         argv = ["--help" if arg == HELP_ALL else arg for arg in argv]
         if args is None:
             sys.argv[1:] = argv
+    from lit_grpo.cli.early_checks import early_refusal
+
+    # a value that the command line and its files alone show to be bad: refused before Lightning is imported
+    # (under LIT_GRPO_DEBUG LightningCLI refuses it, with the traceback)
+    if not debug() and (refused := early_refusal(argv)) is not None:
+        fail(UsageError(*refused))
     # None, not sys.argv's copy: LightningCLI reads sys.argv itself and warns when it is given both
     return importlib.import_module(TRAINING).train(None if args is None else argv)
 

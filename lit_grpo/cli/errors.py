@@ -12,10 +12,8 @@ import sys
 import warnings
 from argparse import ArgumentError
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
@@ -23,6 +21,7 @@ from lightning.pytorch.cli import LightningCLI
 from lit_grpo.cli.commands import UsageError, debug, fail, one_line
 from lit_grpo.cli.hooks import key_of_parse_error, object_under_construction
 from lit_grpo.cli.option_hints import option_hint
+from lit_grpo.cli.sources import where
 from lit_grpo.core.checkpoints import Checkpoint, CheckpointError
 from lit_grpo.data.sampler_check import SamplerMismatchError
 from lit_grpo.environments.protocol import EnvironmentFault
@@ -148,17 +147,7 @@ class OneLineErrorsCLI(LightningCLI):
     def _where(self, key: str | None, *, exact: bool = False) -> str:
         """``key`` and where its value came from: the command line or the last config file setting it. A group
         (``model``, a callback of trainer.callbacks) is named with all the sources, unless ``exact``."""
-        files = [b.split("=", 1)[1] if b.startswith("--config=") else b for a, b in zip(["", *self._argv], self._argv)
-                 if a in ("-c", "--config") or b.startswith("--config=")]
-        if key is None or not exact and (key in _GROUPS.values() or key.startswith("trainer.callbacks:")):
-            sources = ", ".join([*files, "the command line"])
-            return f"{key}, from {sources}" if key else f"from {sources}"
-        if any(a == f"--{key}" or a.startswith((f"--{key}=", f"--{key}+")) for a in self._argv):  # += appends
-            return f"{key}, on the command line"
-        for path in reversed(files):  # a later --config overrides an earlier one
-            if _sets(path, key, self.subcommands()):
-                return f"{key}, in {path}"
-        return key
+        return where(self._argv, key, self.subcommands(), _GROUPS.values(), exact=exact)
 
 
 def report_usage_errors(build: Callable[[], T]) -> T:
@@ -177,17 +166,3 @@ def report_usage_errors(build: Callable[[], T]) -> T:
         fail(err if isinstance(err, UsageError) else UsageError(str(err), where))
     finally:
         held_back.stop()  # no-op once stopped
-
-
-def _sets(path: str, key: str, subcommands: Any) -> bool:
-    """Whether a YAML config file sets ``key`` (``model.lr``), at the top or under a subcommand."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    for node in [data, *(data.get(s) for s in subcommands if isinstance(data, dict))]:
-        for part in key.split("."):
-            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
-        if node is not KeyError:
-            return True
-    return False

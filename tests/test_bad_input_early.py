@@ -1,0 +1,95 @@
+"""A bad value that the command line and its config files alone show (``lit_grpo.cli.early_checks``) is refused in
+one line before Lightning, transformers or jsonargparse is imported; anything less certain is left to LightningCLI,
+which refuses the same value with the same message."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cli_runner import no_model
+
+from lit_grpo.cli.early_checks import early_refusal
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs" / "demo_cpu.yaml")
+NOT_LOADED = ("lightning", "transformers", "jsonargparse")
+BETA = "beta must be >= 0 (model.beta, the KL weight of eq. 7), got "
+
+# runs the dispatcher as `python -m lit_grpo` does, then reports the exit status and which heavy modules loaded
+PROBE = """
+import json, sys
+from lit_grpo.cli.commands import main
+try:
+    main(sys.argv[1:])
+    code = 0
+except SystemExit as exit_:
+    code = exit_.code
+print(json.dumps({"code": code, "loaded": [m for m in NOT_LOADED if m in sys.modules]}), file=sys.__stdout__)
+""".replace("NOT_LOADED", repr(NOT_LOADED))
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("source", ["command_line", "config"])
+def test_a_bad_beta_is_one_line_before_lightning_loads(source, tmp_path):
+    bad = write(tmp_path / "bad.yaml", "model:\n  beta: -0.5\n")
+    args, where = {"command_line": (["--model.beta", "-1"], "(model.beta, on the command line)"),
+                   "config": (["--config", bad], f"(model.beta, in {bad})")}[source]
+    proc = subprocess.run([sys.executable, "-c", PROBE, "fit", "--config", DEMO, *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stderr.strip().splitlines()
+    assert result == {"code": 2, "loaded": []}, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {BETA}") and lines[0].endswith(where), lines
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["fit", "--model.beta", "-1"], BETA + "-1.0 (model.beta, on the command line)"),
+    (["validate", "--model.beta=-2"], BETA + "-2.0 (model.beta, on the command line)"),
+    (["fit", "--config", "{bad}", "--config", "{good}", "--model.beta", "-3"], BETA + "-3.0 (model.beta, on the "
+                                                                                      "command line)"),
+    (["fit", "--model.beta", "1", "--config", "{bad}"], BETA + "-0.5 (model.beta, in {bad})"),  # the later wins
+    (["fit", "--model.beta", "nan"], BETA + "nan (model.beta, on the command line)"),
+    # left to LightningCLI: a later file sets it right, a checkpoint's hyperparameters or a whole group may replace
+    # it, help or the config is asked for, the value is no number, no subcommand, or nothing sets it
+    (["fit", "--model.beta", "-1", "--config", "{good}"], None),
+    (["fit", "--model.beta", "-1", "--ckpt_path", "x.ckpt"], None),
+    (["fit", "--config", "{bad}", "--config", "{ckpt}"], None),
+    (["fit", "--model.beta", "-1", "--model", "{good}"], None),
+    (["fit", "--config", "{bad}", "--config", "{whole}"], None),
+    (["fit", "--model.beta", "-1", "--print_config"], None),
+    (["fit", "--model.beta", "-1", "--help"], None),
+    (["fit", "--model.beta", "minus one"], None),
+    (["fit", "--model.beta", "true"], None),
+    (["--model.beta", "-1"], None),
+    (["fit", "--config", "{good}"], None),
+    (["fit", "--config", "{nested}"], None),
+])
+def test_which_values_are_refused_early(args, expected, tmp_path):
+    files = {"bad": "model:\n  beta: -0.5\n", "good": "model:\n  beta: 0.1\n", "ckpt": "ckpt_path: x.ckpt\n",
+             "whole": "model: other.yaml\n", "nested": "fit:\n  model:\n    beta: -1\n"}
+    paths = {name: write(tmp_path / f"{name}.yaml", text) for name, text in files.items()}
+    refused = early_refusal([arg.format(**paths) for arg in args])
+    assert (None if refused is None else f"{refused[0]} ({refused[1]})") == \
+        (None if expected is None else expected.format(**paths))
+
+
+def test_lightning_cli_refuses_the_same_value_with_the_same_message(tmp_path, monkeypatch, capsys):
+    """The early check is the rule LightningCLI applies when it builds the model's loss: refused there too."""
+    from lit_grpo.cli.commands import TRAINING
+
+    no_model(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["lit_grpo"])
+    monkeypatch.delenv("LIT_GRPO_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        __import__(TRAINING, fromlist=["train"]).train(
+            ["fit", "--model.model_name", "tiny-random-llama", "--trainer.logger", "false", "--model.beta", "-1"])
+    assert exit_.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {BETA}-1.0 "), lines
