@@ -7,111 +7,58 @@ generating here guarantees that each batch comes from the engine weights of the 
 taken from ``AsyncRollouts`` (``lit_grpo.data.async_rollouts``), which with ``max_staleness`` >= 1 has a background
 producer request it ahead of the trainer, and at ``max_staleness`` = 0 requests it on the training thread when it is
 taken: one way for a batch, whatever K.
+
+This module is the loop's plumbing; each concern it wires lives in a module of its own: which prompts make up a batch
+(``prompt_order``), what the constructor refuses (``option_checks``), the rollout engine and where alpha comes from
+(``engine_setup``), a batch's rewards (``batch_rewards``), multi-turn environment errors (``environment_errors``) and
+what a checkpoint keeps (``checkpoint_state``).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from lit_grpo.core.batch import RolloutBatch
-from lit_grpo.core.distributed import everyone, rank_slice
-from lit_grpo.core.option_groups import as_group, plain
+from lit_grpo.core.distributed import everyone
+from lit_grpo.core.option_groups import as_group
+from lit_grpo.data import engine_setup, fit_checks
 from lit_grpo.data.async_rollouts import AsyncRollouts, Requested
+from lit_grpo.data.batch_rewards import batch_reward_runner, overlong_penalties, score_completions
+from lit_grpo.data.checkpoint_state import data_state, restore_data_state
 from lit_grpo.data.dynamic_sampling import DynamicSampling, Formed, OverlongPenalty, Scored, form_batch
-from lit_grpo.data.fit_checks import (
-    check_temperature_agrees,
-    constant_normaliser_mismatch,
-    decoupled_on_stale_server,
-    decoupled_without_recompute,
-    module_setting,
-    packing_without_budget,
-    stale_sampling,
-    sync_schedule,
-    unsynced_engine_warning,
-)
-from lit_grpo.data.multi_turn import MultiTurnOptions, TrajectoryRunner, row_name, trajectory_stats
+from lit_grpo.data.engine_setup import MIXED_AUTOCAST
+from lit_grpo.data.environment_errors import EnvironmentFailure, new_environment_errors, trajectory_tasks
+from lit_grpo.data.multi_turn import MultiTurnOptions, TrajectoryRunner, trajectory_stats
+from lit_grpo.data.option_checks import check_batch_numbers, check_overlong_penalty, check_sampler_check_options
+from lit_grpo.data.prompt_order import PromptBatch, PromptStream, epoch_permutation, rank_share, used_rows
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
-from lit_grpo.data.rewards import RewardFn, RewardRunner, reward_name
+from lit_grpo.data.rewards import RewardFn
 from lit_grpo.data.rollout import BatchOrigin, PaddedRollouts, collate_rollouts, pad_rollouts, rollout_seed
 from lit_grpo.data.sampler_check import DEFAULT_MAX_GAP, DEFAULT_SEQUENCES, SamplerCheck
 from lit_grpo.data.server_reference import ServerReference
-from lit_grpo.data.staleness import (
-    check_partial_rollouts,
-    check_reference_on_server,
-    check_staleness_setup,
-    mixes_versions,
-    staleness_stats,
-    weight_version_of,
-)
-from lit_grpo.data.tasks import check_environment_rewards, default_environment, load_task_rows, system_prompt_for
-from lit_grpo.engines.base import (
-    Completion,
-    ReferenceServing,
-    RemoteEngine,
-    RolloutEngine,
-    Rollouts,
-    SamplingConfig,
-)
-from lit_grpo.engines.options import ENGINE_OPTIONS, ServerOptions, TransformersOptions, VLLMOptions
-from lit_grpo.engines.options import engine_options as engine_options_of
-from lit_grpo.environments.protocol import EnvironmentFault, resolve_environment
+from lit_grpo.data.staleness import check_staleness_setup, mixes_versions, staleness_stats, weight_version_of
+from lit_grpo.data.tasks import default_environment, load_task_rows, system_prompt_for
+from lit_grpo.engines.base import Completion, RemoteEngine, RolloutEngine, Rollouts, SamplingConfig
+from lit_grpo.engines.options import ServerOptions, TransformersOptions, VLLMOptions
+from lit_grpo.environments.protocol import resolve_environment
 from lit_grpo.environments.rendering import ConversationRenderer
 from lit_grpo.environments.tool_calls import resolve_tool_call_format
 from lit_grpo.environments.tools import ToolBox
-from lit_grpo.math.overlong import soft_overlong_penalty
-from lit_grpo.models.loading import eos_token_ids, pad_token_id
+from lit_grpo.models.loading import pad_token_id
 
-
-class EnvironmentFailure(EnvironmentFault):
-    """Every trajectory of the first batch ended in an environment error: the run stops in one line naming the
-    environment, the first failing row and its error."""
-
-
-#: the autocast dtype of Lightning's mixed precisions (the forward context of ``training_step``)
-MIXED_AUTOCAST = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
-
-
-@dataclass
-class PromptBatch:
-    """Which rows of the dataset make up this rank's share of rollout batch number ``batch_index`` (counted
-    over all epochs), and the rank that draws them."""
-
-    rows: list[int]
-    batch_index: int
-    rank: int = 0
-
-
-class PromptStream(IterableDataset):
-    """Shuffled prompt indices, ``prompts_per_step`` at a time; each epoch is a fresh seeded permutation.
-
-    Iteration resumes from the data module's count of consumed batches, so a restarted run continues with
-    the next unseen prompts.
-    """
-
-    def __init__(self, owner: RolloutDataModule) -> None:
-        self.owner = owner
-
-    def __len__(self) -> int:
-        return self.owner.batches_per_epoch
-
-    def __iter__(self) -> Iterator[PromptBatch]:
-        owner = self.owner
-        per_epoch = owner.batches_per_epoch
-        start = owner.consumed
-        epoch = start // per_epoch
-        for index in range(start, (epoch + 1) * per_epoch):
-            yield owner.prompt_batch(index)
+#: importable from here as before the split by concern, with the data module itself
+__all__ = ["MIXED_AUTOCAST", "EnvironmentFailure", "PromptBatch", "PromptStream", "RolloutDataModule"]
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -246,52 +193,17 @@ class RolloutDataModule(L.LightningDataModule):
         multi_turn: MultiTurnOptions = MultiTurnOptions(),  # noqa: B008 (frozen)
     ) -> None:
         super().__init__()
-        if sampler_check_max_gap is not None and (isinstance(sampler_check_max_gap, bool)
-                                                  or not sampler_check_max_gap > 0):
-            raise ValueError(f"sampler_check_max_gap must be a number > 0 (nats per token) or null, "
-                             f"got {sampler_check_max_gap!r}")
-        if isinstance(sampler_check_sequences, bool) or not isinstance(sampler_check_sequences, int) \
-                or sampler_check_sequences < 1:
-            raise ValueError(f"sampler_check_sequences must be an integer >= 1, got {sampler_check_sequences!r}")
-        check_staleness_setup(max_staleness, engine)
-        if engine not in ENGINE_OPTIONS:
-            raise ValueError(f"unknown engine {engine!r}; expected one of {tuple(ENGINE_OPTIONS)}")
-        options = engine_options_of(engine, engine_options)
-        server_kind = options.kind if isinstance(options, ServerOptions) else None
-        check_reference_on_server(reference_on_server, engine, server_kind)
-        check_partial_rollouts(partial_rollouts, max_staleness, engine, reference_on_server)
+        check_sampler_check_options(sampler_check_max_gap, sampler_check_sequences)
+        options = engine_setup.checked_engine_options(engine, engine_options, max_staleness, reference_on_server,
+                                                      partial_rollouts)
         self.partial_rollouts = partial_rollouts
-        if server_kind == "vllm" and options.lora_keep is not None and options.lora_keep < max_staleness + 1:
-            raise ValueError(f"engine_options.lora_keep={options.lora_keep} is below max_staleness + 1 = "
-                             f"{max_staleness + 1}: a batch requested ahead would name an unloaded adapter version")
-        if num_generations < 2:
-            raise ValueError(f"num_generations (G) must be >= 2 to form a group advantage, got {num_generations}")
-        if prompts_per_step < 1:
-            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        if micro_batch_tokens is not None and (isinstance(micro_batch_tokens, bool)
-                                               or not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1):
-            raise ValueError(f"micro_batch_tokens must be an integer >= 1 or None, got {micro_batch_tokens!r}")
-        if advantage_eps <= 0:
-            raise ValueError(f"advantage_eps must be > 0 (inside the square root of eq. 2), got {advantage_eps}")
-        if max_prompts is not None and max_prompts < 1:
-            raise ValueError(f"max_prompts must be >= 1 or None, got {max_prompts}")
+        check_batch_numbers(num_generations, prompts_per_step, micro_batch_size, micro_batch_tokens, advantage_eps,
+                            max_prompts)
         self.dynamic_sampling = as_group(DynamicSampling, dynamic_sampling, "dynamic_sampling")
         self.overlong_penalty = as_group(OverlongPenalty, overlong_penalty, "overlong_penalty")
-        if self.overlong_penalty.enabled and (environment is not None or tools):
-            raise ValueError("overlong_penalty scores one completion's length against max_new_tokens; a multi-turn "
-                             "trajectory (data.environment / data.tools) has several: turn it off, or cap "
-                             "multi_turn.max_total_tokens")
-        if self.overlong_penalty.buffer >= max_new_tokens:
-            raise ValueError(f"overlong_penalty.buffer={self.overlong_penalty.buffer} must be below "
-                             f"max_new_tokens={max_new_tokens} (the penalty's buffer lies inside the length limit)")
+        check_overlong_penalty(self.overlong_penalty, max_new_tokens, environment is not None or bool(tools))
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-        if engine == "vllm" or server_kind == "vllm":
-            from lit_grpo.engines.vllm_engine import check_vllm_temperature, check_vllm_top_p  # imports no vllm
-
-            check_vllm_temperature(temperature)
-            check_vllm_top_p(top_p)
+        engine_setup.check_engine_sampling(engine, options, temperature, top_p)
         self.multi_turn = as_group(MultiTurnOptions, multi_turn, "multi_turn")
         environment = environment if environment is not None else default_environment(dataset)
         #: multi-turn rollouts (an environment, or tools): built once the tokenizer is known (setup)
@@ -302,25 +214,10 @@ class RolloutDataModule(L.LightningDataModule):
         self.is_multi_turn = self.environment_factory is not None or bool(self.toolbox)
         self.trajectories: TrajectoryRunner | None = None
         self.env_errors = 0
-        # an environment's reward is the trajectory's: rewards beside it add to it only when asked for (a base
-        # config's [correctness] would make a right reasoning-gym answer score 2); tools alone keep correctness
-        default_rewards = [] if self.environment_factory is not None else ["correctness"]
-        specs = list(rewards) if rewards is not None else default_rewards
-        check_environment_rewards([reward_name(s) if isinstance(s, str) or callable(s) else s for s in specs],
-                                  environment, add_rewards_to_environment)
-        if reward_weights is not None and len(reward_weights) != len(specs):
-            names = [reward_name(s) if isinstance(s, str) or callable(s) else s for s in specs]
-            raise ValueError(f"reward_weights has {len(reward_weights)} entries for {len(specs)} rewards {names}")
-        weights = reward_weights or [1.0] * len(specs)
-        self.reward_runner = RewardRunner(list(zip(specs, weights)), timeout_s=reward_timeout_s,
-                                          allow_empty=self.environment_factory is not None)
-        self.rows = load_task_rows(dataset, split=split, environment=self.environment_factory is not None)
-        if max_prompts is not None:
-            keep = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(seed))[:max_prompts]
-            self.rows = [self.rows[i] for i in keep.tolist()]
-        if len(self.rows) < prompts_per_step:
-            raise ValueError(f"dataset {dataset!r} has {len(self.rows)} rows, "
-                             f"fewer than prompts_per_step={prompts_per_step}")
+        self.reward_runner = batch_reward_runner(rewards, reward_weights, reward_timeout_s, environment,
+                                                 add_rewards_to_environment)
+        self.rows = used_rows(load_task_rows(dataset, split=split, environment=self.environment_factory is not None),
+                              max_prompts, seed, dataset, prompts_per_step)
         self.prompts_per_step = prompts_per_step
         self.num_generations = num_generations
         self.micro_batch_size = micro_batch_size
@@ -350,17 +247,14 @@ class RolloutDataModule(L.LightningDataModule):
         self.server_reference: ServerReference | None = None
         self.reward_errors = 0
         self.reward_timeouts = 0
-        if isinstance(options, ServerOptions):  # a server that is down, or a wrong token: one line now, before any
-            from lit_grpo.engines.remote.client import check_servers  # model loads
-
-            check_servers(options)
+        engine_setup.check_servers_answer(options)
 
     @property
     def max_staleness(self) -> int:
         """K: how many batches are requested ahead of the one the trainer takes."""
         return self.async_rollouts.max_staleness
 
-    # ---- prompt order -------------------------------------------------------------------------------
+    # ---- prompt order (``lit_grpo.data.prompt_order``) ---------------------------------------------
     def rank_and_world(self) -> tuple[int, int]:
         trainer = self.trainer
         if trainer is None:
@@ -374,19 +268,15 @@ class RolloutDataModule(L.LightningDataModule):
 
     def epoch_order(self, epoch: int) -> list[int]:
         if epoch not in self._epoch_orders:
-            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self._epoch_orders = {epoch: torch.randperm(len(self.rows), generator=generator).tolist()}
+            self._epoch_orders = {epoch: epoch_permutation(self.seed, epoch, len(self.rows))}
         return self._epoch_orders[epoch]
 
     def prompt_batch(self, index: int) -> PromptBatch:
         """This rank's share of rollout batch ``index`` (counted over all epochs)."""
         rank, world = self.rank_and_world()
         epoch, b = divmod(index, self.batches_per_epoch)
-        global_batch = self.prompts_per_step * world
-        # one global batch of world * prompts_per_step prompts; each rank takes a contiguous share, so a
-        # group never spans two ranks and the ranks' prompts are disjoint
-        chunk = self.epoch_order(epoch)[b * global_batch : (b + 1) * global_batch]
-        return PromptBatch(rows=rank_slice(chunk, rank, world, self.prompts_per_step), batch_index=index, rank=rank)
+        rows = rank_share(self.epoch_order(epoch), b, self.prompts_per_step, rank, world)
+        return PromptBatch(rows=rows, batch_index=index, rank=rank)
 
     # ---- Lightning hooks ----------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -403,32 +293,16 @@ class RolloutDataModule(L.LightningDataModule):
         check_staleness_setup(self.max_staleness, self.engine_kind, self.trainer.callbacks)
         # the server scores pi_ref only when the module has a KL term to use it in
         self.scores_reference = self.reference_on_server and bool(getattr(module, "uses_reference", False))
-        # colocated vLLM never rescores: refused before it loads; the other engines say so once built (cheaply)
-        if self.engine_kind == "vllm" and (refused := decoupled_without_recompute(module, False, "colocated vLLM")):
-            raise ValueError(refused)
-        if isinstance(self.engine_options, ServerOptions):  # the project's server rescores fresh batches only
-            stale = stale_sampling(self.max_staleness, *sync_schedule(self.trainer.callbacks),
-                                   self.reuse_policy_logprobs)
-            if (refused := decoupled_on_stale_server(module_setting(module, "correction"), self.engine_options,
-                                                     stale)) is not None:
-                raise ValueError(refused)
+        engine_setup.check_before_build(module, self.engine_kind, self.engine_options, self.max_staleness,
+                                        self.trainer.callbacks, self.reuse_policy_logprobs)
         engine = self.rollout_engine = self.build_engine(module)
-        if (refused := decoupled_without_recompute(module, engine.rescore, self.engine_description())) is not None:
-            raise ValueError(refused)
-        if self.scores_reference and isinstance(engine, ReferenceServing):
-            # pi_ref's log-probs at the loss's temperature (the CLI links it to data.temperature), and in the
-            # precision of the module's own pass (autocast under a mixed precision), so that KL(pi || pi_ref) is
-            # still exactly 0 right after a RefModelSwap
-            self.server_reference = ServerReference(
-                engine, pad_token_id(self.tokenizer), self.micro_batch_size,
-                float(module.hparams.get("temperature", self.sampling.temperature)),
-                MIXED_AUTOCAST.get(str(self.trainer.precision)), self.micro_batch_tokens)
-        if self.max_staleness and isinstance(engine, RemoteEngine) and self.partial_rollouts:
-            engine.keep_generating_through_pushes()  # a push keeps the generations in flight (partial rollouts)
-        elif self.max_staleness and isinstance(engine, RemoteEngine):
-            # every weight push first waits for the batches already requested (on every rank, then a barrier in
-            # the push): no batch handed over under the old weights is sampled with the new ones
-            engine.before_push.append(self.async_rollouts.drain)
+        engine_setup.check_after_build(module, engine, self.engine_description())
+        if self.scores_reference:
+            self.server_reference = engine_setup.server_reference_for(
+                engine, module, self.tokenizer, self.trainer.precision, self.micro_batch_size,
+                self.micro_batch_tokens, self.sampling)
+        engine_setup.hold_batches_through_pushes(engine, self.max_staleness, self.partial_rollouts,
+                                                 self.async_rollouts.drain)
 
     def trajectory_runner(self, tokenizer: Any) -> TrajectoryRunner | None:
         """What samples this data's multi-turn trajectories with ``tokenizer``'s chat template (``None``: single-turn);
@@ -444,33 +318,17 @@ class RolloutDataModule(L.LightningDataModule):
         temperature than the rollouts are sampled at; warn when Dr.GRPO's constant normaliser is not
         ``max_new_tokens``, when no callback keeps the rollout engine's weights in step with the policy, and when
         the module packs rows without a token budget to bound them."""
-        check_temperature_agrees(module, self.sampling)
-        for message in (constant_normaliser_mismatch(module, self.sampling),
-                        unsynced_engine_warning(self.trainer.callbacks, module),
-                        packing_without_budget(module, self.micro_batch_tokens, self.micro_batch_size)):
+        fit_checks.check_temperature_agrees(module, self.sampling)
+        for message in (fit_checks.constant_normaliser_mismatch(module, self.sampling),
+                        fit_checks.unsynced_engine_warning(self.trainer.callbacks, module),
+                        fit_checks.packing_without_budget(module, self.micro_batch_tokens, self.micro_batch_size)):
             if message is not None:
                 rank_zero_warn(message)
 
     def build_engine(self, module: L.LightningModule) -> RolloutEngine:
-        eos = eos_token_ids(self.tokenizer, module.policy)
-        options = self.engine_options
-        if isinstance(options, TransformersOptions):
-            from lit_grpo.engines.transformers_engine import TransformersEngine
-
-            return TransformersEngine(module.policy, eos, pad_token_id(self.tokenizer), **plain(options))
-        if isinstance(options, ServerOptions):  # rollout servers over HTTP; the trainer's EOS ids stop them too
-            from lit_grpo.engines.remote.client import ServerEngine
-
-            stops = eos if options.stop_token_ids is None else options.stop_token_ids
-            # a request in flight names an adapter version up to K pushes old: K + 1 stay loaded on `vllm serve`
-            keep = self.max_staleness + 1 if options.lora_keep is None else options.lora_keep
-            return ServerEngine(policy=lambda: module.policy, serves_reference=self.scores_reference,
-                                **{**plain(options), "stop_token_ids": stops, "lora_keep": keep})
-        from lit_grpo.engines.vllm_engine import VLLMEngine
-
-        vllm_options = plain(options)
-        return VLLMEngine(module.hparams.model_name, tokenizer=self.tokenizer, policy=lambda: module.policy,
-                          **vllm_options.pop("llm_kwargs"), **vllm_options)
+        """The rollout engine of ``data.engine`` for ``module``'s policy (``lit_grpo.data.engine_setup``)."""
+        return engine_setup.build_rollout_engine(self.engine_options, module, self.tokenizer, self.max_staleness,
+                                                 self.scores_reference)
 
     def train_dataloader(self) -> DataLoader:
         # batch_size=None: the stream already yields whole batches; num_workers=0: generation needs the
@@ -492,41 +350,16 @@ class RolloutDataModule(L.LightningDataModule):
         self.async_rollouts.stop()  # no waiting: a request running now ends on its daemon thread, within its timeout
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"consumed": self.consumed, "seed": self.seed, "reward_errors": self.reward_errors,
-                 "reward_timeouts": self.reward_timeouts, "env_errors": self.env_errors}
-        if self.max_staleness:
-            state["in_flight"] = self.async_rollouts.state(self.rank_and_world()[1])
-            state["producer_waits"] = self.async_rollouts.producer_waits
-        return state
+        """What a checkpoint keeps of the data module (``lit_grpo.data.checkpoint_state``)."""
+        return data_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.consumed = int(state_dict["consumed"])
-        self.reward_errors = int(state_dict.get("reward_errors", 0))
-        self.reward_timeouts = int(state_dict.get("reward_timeouts", 0))
-        self.env_errors = int(state_dict.get("env_errors", 0))
-        if int(state_dict["seed"]) != self.seed:
-            raise ValueError(f"checkpoint was written with data seed {state_dict['seed']}, this run uses {self.seed}")
-        self.async_rollouts.producer_waits = int(state_dict.get("producer_waits", 0))
-        # the batches generated ahead are the checkpoint's or none: ones kept from an earlier fit or state were
-        # sampled by weights this state's run never trained with (a K = 0 checkpoint stores none, and one from
-        # another world size is regenerated)
-        in_flight = state_dict.get("in_flight")
-        if in_flight and not self.max_staleness:
-            warnings.warn("the checkpoint holds rollout batches generated ahead (max_staleness >= 1); this run is "
-                          "synchronous (max_staleness: 0) and regenerates them, so it is not an exact continuation",
-                          stacklevel=2)
-        self.async_rollouts.restore(in_flight if self.max_staleness else None, *self.rank_and_world())
+        restore_data_state(self, state_dict)
 
     # ---- rollouts -----------------------------------------------------------------------------------
     def precision_context(self) -> AbstractContextManager:
-        """The trainer's forward precision (autocast under ``bf16-mixed`` / ``16-mixed``), the one its
-        ``training_step`` runs in. An in-process engine samples and scores in it, so that alpha and pi are the same
-        function of the same weights: equal weights give equal log-probs, and a lagging step's ratio measures the
-        lag, not a precision gap. Engines in other processes (server, vLLM) compute alpha in their own precision."""
-        trainer = self.trainer
-        if trainer is None or self.engine_kind != "transformers":
-            return nullcontext()
-        return trainer.precision_plugin.forward_context()
+        """The trainer's forward precision for an in-process engine (``engine_setup.precision_context``)."""
+        return engine_setup.precision_context(self.trainer, self.engine_kind)
 
     def prompt_ids(self, row: int) -> list[int]:
         """The prompt of dataset row ``row``: its question in the chat template, or an environment's first messages."""
@@ -541,21 +374,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     def alpha_logprobs(self, padded: PaddedRollouts, sampled_step: int,
                        mixed: bool = False) -> tuple[torch.Tensor | None, str]:
-        """Log-probs of the completions under the weights that sampled them (version ``sampled_step``), and where
-        they come from (``RolloutBatch.alpha_source``); ``None`` means "alpha is pi_k": those are the policy's
-        current weights, so the trainer's first forward gives them exactly. ``mixed``: the batch's tokens come from
-        several versions (partial rollouts): no one set of weights recomputes them, so alpha is the sampler's."""
-        engine = self.rollout_engine
+        """Alpha's log-probs of the batch sampled at version ``sampled_step`` and their source
+        (``engine_setup.alpha_logprobs``)."""
         current_step = self.trainer.global_step if self.trainer is not None else None
-        if mixed:
-            return padded.sampler_logp, "sampler"
-        if self.reuse_policy_logprobs and engine.rescore and sampled_step == current_step:
-            return None, "policy"
-        if sampled_step != engine.synced_step:
-            return padded.sampler_logp, "sampler"  # sampled before the last push: only the sampler knew them
-        alpha = engine.score(padded, self.sampling.temperature)
-        return (alpha, "recompute") if alpha is not None else (padded.sampler_logp, "sampler")
-
+        return engine_setup.alpha_logprobs(self.rollout_engine, padded, sampled_step, current_step,
+                                           self.reuse_policy_logprobs, self.sampling.temperature, mixed)
     def rollout_job(self, index: int) -> Callable[[], Requested]:
         """The request for rollout batch ``index`` of this rank, as ``AsyncRollouts`` hands it over."""
         prompt_batch = self.prompt_batch(index)
@@ -613,47 +436,25 @@ class RolloutDataModule(L.LightningDataModule):
         """The rewards of the groups sampled for dataset ``rows`` (flat, prompt-major), the overlong penalty added. A
         trajectory's reward is its environment's, plus the reward functions' score of its last model turn."""
         flat = [c for g in groups for c in g]
-        texts = [c.trajectory["final_text"] if c.trajectory is not None
-                 else self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
         answers = [str(self.rows[r].get("answer", "")) for r in rows for _ in range(self.num_generations)]
-        scored = self.reward_runner(texts, answers)
-        rewards = [r + (c.trajectory["env_reward"] if c.trajectory is not None else 0.0)
-                   for r, c in zip(scored.rewards, flat)]
+        scored = score_completions(self.reward_runner, flat, answers, self.tokenizer, self.overlong_penalties(groups))
         self.count_env_errors(flat, [self.rows[r] for r, g in zip(rows, groups) for _ in g])
-        penalties = self.overlong_penalties(groups)
-        if penalties is not None:
-            rewards = [r + p for r, p in zip(rewards, penalties.tolist())]
-        return Scored(rewards, scored.errors, scored.timeouts)
+        return scored
 
     def count_env_errors(self, completions: list[Completion], rows: list[dict[str, Any]] | None = None) -> None:
-        """Count the trajectories whose environment raised or answered out of shape (``rollout/env_errors``), warn on
-        the first, and stop the run in one line when every trajectory of the first batch failed so: it would train on
-        nothing but failures. ``rows``: each completion's task row, which the line names."""
-        tasks = [(c.trajectory, row) for c, row in zip(completions, rows or [None] * len(completions))
-                 if c.trajectory is not None]
+        """Count the trajectories whose environment failed (``rollout/env_errors``;
+        ``lit_grpo.data.environment_errors``): warned on the first, the run stopped in one line when every trajectory
+        of the first batch failed. ``rows``: each completion's task row, which the line names."""
+        tasks = trajectory_tasks(completions, rows)
         if not tasks:
             return
-        failed = [(r["env_error"], row) for r, row in tasks if r["env_error"] is not None]
-        errors = [error for error, _ in failed]
         first_batch, self._env_checked = not getattr(self, "_env_checked", False), True
-        if first_batch and errors and len(errors) == len(tasks):
-            name = self.trajectories.environment_name if self.trajectories is not None else "of data.environment"
-            task = f" on the task {row_name(failed[0][1])}" if failed[0][1] is not None else ""
-            raise EnvironmentFailure(f"the environment {name} failed on all {len(tasks)} trajectories of the first "
-                                     f"batch (the first{task}: {errors[0]}); expected reset() -> str | list[dict] and "
-                                     f"step(completion) -> (reply, reward, done)")
-        if errors and self.env_errors == 0:
-            rank_zero_warn(f"an environment failed ({errors[0]}): its trajectory ends there with the rewards it had; "
-                           f"counted in rollout/env_errors (further failures are counted, not warned)")
-        self.env_errors += len(errors)
+        name = self.trajectories.environment_name if self.trajectories is not None else "of data.environment"
+        self.env_errors += new_environment_errors(tasks, name, first_batch, self.env_errors)
 
     def overlong_penalties(self, groups: list[list[Completion]]) -> torch.Tensor | None:
         """DAPO eq. 13 per completion (``data.overlong_penalty``), ``None`` when it is off."""
-        option = self.overlong_penalty
-        if not option.enabled:
-            return None
-        lengths = torch.tensor([len(c.token_ids) for g in groups for c in g])
-        return soft_overlong_penalty(lengths, self.sampling.max_new_tokens, option.buffer, option.factor)
+        return overlong_penalties(groups, self.overlong_penalty, self.sampling.max_new_tokens)
 
     def rollout_batch(self, prompt_batch: PromptBatch) -> RolloutBatch:
         """Rollout batch ``prompt_batch``, the same way whatever K: taken from ``AsyncRollouts`` (requested K batches
@@ -689,11 +490,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def engine_description(self) -> str:
         """The rollout engine in words, for messages: colocated vLLM, or the kind and URL of the servers."""
-        options = self.engine_options
-        if isinstance(options, ServerOptions):
-            where = options.url or ", ".join(options.urls or [])
-            return f"{'vllm serve' if options.kind == 'vllm' else 'rollout server'} at {where}"
-        return "colocated vLLM" if self.engine_kind == "vllm" else "in-process engine"
+        return engine_setup.engine_description(self.engine_options, self.engine_kind)
 
     def assemble(self, prompt_batch: PromptBatch, groups: list[list[Completion]], rollouts: Rollouts,
                  sampled_step: int, generate_seconds: float, stats: dict[str, float],
@@ -715,11 +512,8 @@ class RolloutDataModule(L.LightningDataModule):
                  **stats}
         padded = pad_rollouts(prompts, groups, pad_token_id(self.tokenizer), self.micro_batch_size,
                               self.module_device(), self.micro_batch_tokens)
-        # a server engine's kept copy of the pushed weights (keep_pushed_weights) recomputes alpha on the trainer, in
-        # its forward precision as the in-process engine does; the copy's memory and times go with the batch
-        kept = getattr(self.rollout_engine, "kept_weights", None) is not None
-        with self.trainer.precision_plugin.forward_context() if kept and self.trainer is not None \
-                else self.precision_context():
+        kept = getattr(self.rollout_engine, "kept_weights", None) is not None  # its memory and times go with the batch
+        with engine_setup.alpha_precision(self.rollout_engine, self.trainer, self.engine_kind):
             alpha, alpha_source = self.alpha_logprobs(padded, sampled_step, mixes_versions(groups))
         timings = {"rollout_seconds": time.perf_counter() - start, "generate_seconds": generate_seconds,
                    **({"reference_seconds": rollouts.reference_seconds} if self.scores_reference else {}),
