@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo_cpu.yaml")
 NOT_LOADED = ("lightning", "transformers", "jsonargparse")
 BETA = "beta must be >= 0 (model.beta, the KL weight of eq. 7), got "
+LR = "optimizer.lr must be a finite number > 0, got "
 
 # runs the dispatcher as `python -m lit_grpo` does, then reports the exit status and which heavy modules loaded
 PROBE = """
@@ -55,12 +56,17 @@ def test_a_bad_beta_is_one_line_before_lightning_loads(source, tmp_path):
                                                                                       "command line)"),
     (["fit", "--model.beta", "1", "--config", "{bad}"], BETA + "-0.5 (model.beta, in {bad})"),  # the later wins
     (["fit", "--model.beta", "nan"], BETA + "nan (model.beta, on the command line)"),
+    (["fit", "--model.optimizer.lr", "0"], LR + "0.0 (model.optimizer.lr, on the command line)"),
+    (["fit", "--config", "{bad_lr}"], LR + "-0.001 (model.optimizer.lr, in {bad_lr})"),
+    (["fit", "--model.optimizer.weight_decay=-1"],
+     "optimizer.weight_decay must be >= 0, got -1.0 (model.optimizer.weight_decay, on the command line)"),
     # left to LightningCLI: a later file sets it right, a checkpoint's hyperparameters or a whole group may replace
     # it, help or the config is asked for, the value is no number, no subcommand, or nothing sets it
     (["fit", "--model.beta", "-1", "--config", "{good}"], None),
     (["fit", "--model.beta", "-1", "--ckpt_path", "x.ckpt"], None),
     (["fit", "--config", "{bad}", "--config", "{ckpt}"], None),
     (["fit", "--model.beta", "-1", "--model", "{good}"], None),
+    (["fit", "--model.optimizer.lr", "0", "--model.optimizer", "{{lr: 1.0e-3}}"], None),
     (["fit", "--config", "{bad}", "--config", "{whole}"], None),
     (["fit", "--model.beta", "-1", "--print_config"], None),
     (["fit", "--model.beta", "-1", "--help"], None),
@@ -72,15 +78,19 @@ def test_a_bad_beta_is_one_line_before_lightning_loads(source, tmp_path):
 ])
 def test_which_values_are_refused_early(args, expected, tmp_path):
     files = {"bad": "model:\n  beta: -0.5\n", "good": "model:\n  beta: 0.1\n", "ckpt": "ckpt_path: x.ckpt\n",
-             "whole": "model: other.yaml\n", "nested": "fit:\n  model:\n    beta: -1\n"}
+             "whole": "model: other.yaml\n", "nested": "fit:\n  model:\n    beta: -1\n",
+             "bad_lr": "model:\n  optimizer:\n    lr: -1.0e-3\n"}
     paths = {name: write(tmp_path / f"{name}.yaml", text) for name, text in files.items()}
     refused = early_refusal([arg.format(**paths) for arg in args])
     assert (None if refused is None else f"{refused[0]} ({refused[1]})") == \
         (None if expected is None else expected.format(**paths))
 
 
-def test_lightning_cli_refuses_the_same_value_with_the_same_message(tmp_path, monkeypatch, capsys):
-    """The early check is the rule LightningCLI applies when it builds the model's loss: refused there too."""
+@pytest.mark.parametrize("option, value, message", [("model.beta", "-1", BETA + "-1.0 "),
+                                                     ("model.optimizer.lr", "0", LR + "0.0 ")])
+def test_lightning_cli_refuses_the_same_value_with_the_same_message(option, value, message, tmp_path, monkeypatch,
+                                                                     capsys):
+    """An early check is the rule LightningCLI applies when it builds the option's class: refused there too."""
     from lit_grpo.cli.commands import TRAINING
 
     no_model(monkeypatch)
@@ -89,7 +99,7 @@ def test_lightning_cli_refuses_the_same_value_with_the_same_message(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
         __import__(TRAINING, fromlist=["train"]).train(
-            ["fit", "--model.model_name", "tiny-random-llama", "--trainer.logger", "false", "--model.beta", "-1"])
+            ["fit", "--model.model_name", "tiny-random-llama", "--trainer.logger", "false", f"--{option}", value])
     assert exit_.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"error: {BETA}-1.0 "), lines
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), lines

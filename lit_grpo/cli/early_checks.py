@@ -24,8 +24,21 @@ def _beta(value: float) -> None:
     LossConfig().with_beta(value)
 
 
+def _optimizer(field: str) -> Callable[[float], None]:
+    def check(value: float) -> None:
+        from lit_grpo.training.optim import OptimizerArgs  # model.optimizer's own checks (imports torch only)
+
+        OptimizerArgs(**{field: value})
+
+    return check
+
+
 #: option -> its rule (raises ``ValueError`` with the one-line message); float options only
-EARLY_CHECKS: dict[str, Callable[[float], None]] = {"model.beta": _beta}
+EARLY_CHECKS: dict[str, Callable[[float], None]] = {
+    "model.beta": _beta,
+    "model.optimizer.lr": _optimizer("lr"),
+    "model.optimizer.weight_decay": _optimizer("weight_decay"),
+}
 #: options after which the values are not the command line's and the files' alone, or nothing is checked
 _LEFT_TO_LIGHTNING = ("--ckpt_path", "--print_config", "--help", "-h")
 
