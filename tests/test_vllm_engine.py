@@ -468,7 +468,7 @@ def test_sleep_mode_sleeps_again_when_generation_fails(fake_vllm):
 # ---- optional dependency -----------------------------------------------------------------------------
 def test_missing_vllm_gives_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ImportError, match=r"pip install 'lit_grpo\[vllm\]'.*CUDA"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[vllm\]'.*CUDA"):
         VLLMEngine("org/model")
 
 
