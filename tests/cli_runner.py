@@ -38,3 +38,29 @@ def refusal_line(args: list[str], tmp_path, monkeypatch, capsys, may_load: bool 
     monkeypatch.delenv("LIT_GRPO_DEBUG", raising=False)
     monkeypatch.chdir(tmp_path)
     return one_line_error(args, capsys)
+
+
+#: runs the dispatcher as `python -m lit_grpo` does, then reports the exit status and which of MODULES loaded
+PROBE = """
+import json, sys
+from lit_grpo.cli.commands import main
+try:
+    main(sys.argv[1:])
+    code = 0
+except SystemExit as exit_:
+    code = exit_.code
+print(json.dumps({"code": code, "loaded": [m for m in MODULES if m in sys.modules]}), file=sys.__stdout__)
+"""
+
+
+def probe(args: list[str], cwd, modules: tuple[str, ...], env: dict | None = None) -> tuple[dict, str, str]:  # noqa: ANN001
+    """A command in a fresh process: ``({"code": exit status, "loaded": those of ``modules`` it imported}, the rest of
+    its stdout, its stderr)``."""
+    import json
+    import subprocess
+
+    source = PROBE.replace("MODULES", repr(tuple(modules)))
+    proc = subprocess.run([sys.executable, "-c", source, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env=env)
+    *out, last = proc.stdout.strip().splitlines()
+    return json.loads(last), "\n".join(out), proc.stderr

@@ -2,13 +2,11 @@
 one line before Lightning, transformers or jsonargparse is imported; anything less certain is left to LightningCLI,
 which refuses the same value with the same message."""
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from cli_runner import no_model
+from cli_runner import no_model, probe
 
 from lit_grpo.cli.early_checks import early_refusal
 
@@ -18,17 +16,6 @@ NOT_LOADED = ("lightning", "transformers", "jsonargparse")
 BETA = "beta must be >= 0 (model.beta, the KL weight of eq. 7), got "
 LR = "optimizer.lr must be a finite number > 0, got "
 
-# runs the dispatcher as `python -m lit_grpo` does, then reports the exit status and which heavy modules loaded
-PROBE = """
-import json, sys
-from lit_grpo.cli.commands import main
-try:
-    main(sys.argv[1:])
-    code = 0
-except SystemExit as exit_:
-    code = exit_.code
-print(json.dumps({"code": code, "loaded": [m for m in NOT_LOADED if m in sys.modules]}), file=sys.__stdout__)
-""".replace("NOT_LOADED", repr(NOT_LOADED))
 
 
 def write(path: Path, text: str) -> str:
@@ -41,11 +28,9 @@ def test_a_bad_beta_is_one_line_before_lightning_loads(source, tmp_path):
     bad = write(tmp_path / "bad.yaml", "model:\n  beta: -0.5\n")
     args, where = {"command_line": (["--model.beta", "-1"], "(model.beta, on the command line)"),
                    "config": (["--config", bad], f"(model.beta, in {bad})")}[source]
-    proc = subprocess.run([sys.executable, "-c", PROBE, "fit", "--config", DEMO, *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    lines = proc.stderr.strip().splitlines()
-    assert result == {"code": 2, "loaded": []}, proc.stderr[-2000:]
+    result, _, err = probe(["fit", "--config", DEMO, *args], tmp_path, NOT_LOADED, env={"PATH": "/usr/bin:/bin"})
+    lines = err.strip().splitlines()
+    assert result == {"code": 2, "loaded": []}, err[-2000:]
     assert len(lines) == 1 and lines[0].startswith(f"error: {BETA}") and lines[0].endswith(where), lines
 
 

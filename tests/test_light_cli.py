@@ -2,31 +2,19 @@
 needs: the list of commands, the tools' ``--help`` and a bad argument answer without torch or Lightning (the time it
 takes is measured by hand, not tested here)."""
 
-import json
 import subprocess
 import sys
 
 import pytest
+from cli_runner import probe as run_probe
 
 HEAVY = ("torch", "lightning", "transformers", "jsonargparse")
 
 # runs the dispatcher as `python -m lit_grpo` does, then reports the exit status and which heavy modules loaded
-PROBE = """
-import json, sys
-from lit_grpo.cli.commands import main
-try:
-    main(sys.argv[1:])
-    code = 0
-except SystemExit as exit_:
-    code = exit_.code
-print(json.dumps({"code": code, "loaded": [m for m in HEAVY if m in sys.modules]}), file=sys.__stdout__)
-""".replace("HEAVY", repr(HEAVY))
 
 
 def probe(*args: str, cwd) -> tuple[dict, str, str]:
-    proc = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
-    *out, last = proc.stdout.strip().splitlines()
-    return json.loads(last), "\n".join(out), proc.stderr
+    return run_probe(list(args), cwd, HEAVY)
 
 
 @pytest.mark.parametrize("command", ["export", "eval", "serve", "plots"])
