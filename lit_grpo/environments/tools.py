@@ -254,7 +254,7 @@ class ToolBox:
                 index, outcome = finished.get(timeout=max(0.0, wake - time.monotonic()))
                 if deadlines.pop(index, None) is not None:  # else answered already: a late thread's result
                     outcomes[index] = outcome
-            except queue.Empty:
+            except queue.Empty:  # a deadline or the slot poll came first: handled below
                 pass
             now = time.monotonic()
             for index in [i for i, deadline in deadlines.items() if now >= deadline]:
