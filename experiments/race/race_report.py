@@ -1,0 +1,124 @@
+"""The race's table and figure from its run files: ``experiments/results/race/<task>/<row>_seed<s>.json``.
+
+The table goes into ``docs/race.md`` between its ``race-table`` markers (the prose around it is written by hand);
+the figure, held-out accuracy against optimizer steps and against training seconds for every row and seed, to
+``experiments/results/race/race.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+#: the accuracy each task's time-to-accuracy column reads (stated in the table's heading)
+THRESHOLDS: dict[str, float] = {"letter_counting": 0.5, "spell_backward": 0.3}
+ROW_ORDER = ("trl", "ours", "ours-v4", "ours-k1")
+ROW_NAMES = {"trl": "TRL GRPOTrainer, on-policy", "ours": "lit_grpo, on-policy (v = 1)",
+             "ours-v4": "lit_grpo, off-policy (v = 4)", "ours-k1": "lit_grpo, asynchronous (K = 1, server)"}
+BEGIN, END = "<!-- race-table -->", "<!-- /race-table -->"
+
+
+def load_runs(results: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """task -> row -> the evaluated runs (those with step 0 and the last step scored), by seed."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted(results.glob("*/*_seed*.json")):
+        run = json.loads(path.read_text())
+        if "0" in run["eval"] and str(run["config"]["steps"]) in run["eval"]:
+            runs[path.parent.name][run["row"]].append(run)
+    return runs
+
+
+def curve(run: dict[str, Any]) -> tuple[list[int], list[float], list[float]]:
+    """(steps, training seconds, held-out accuracy) at the evaluated steps; step 0 at 0 s."""
+    steps = sorted(int(s) for s in run["eval"])
+    seconds = [0.0 if s == 0 else float(run["train_seconds"][str(s)]) for s in steps]
+    return steps, seconds, [run["eval"][str(s)]["accuracy"] for s in steps]
+
+
+def time_to(run: dict[str, Any], threshold: float) -> float | None:
+    """Training seconds at the first evaluated step whose accuracy reaches ``threshold`` (None: never)."""
+    for _, seconds, accuracy in zip(*curve(run)):
+        if accuracy >= threshold:
+            return seconds
+    return None
+
+
+def mean_sd(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    lines = []
+    for task, rows in sorted(runs.items()):
+        threshold = THRESHOLDS.get(task, 0.5)
+        any_run = next(iter(rows.values()))[0]
+        config = any_run["config"]
+        lines += [f"**{task}** (`{config['task']}`), model `{config['model']}`, {config['steps']} steps of "
+                  f"{config['prompts_per_step']} prompts x {config['num_generations']}, held-out accuracy on "
+                  f"{config['eval_questions']} test questions x {config['eval_samples']} samples; time to "
+                  f"accuracy {threshold}:", "",
+                  "| row | seeds | accuracy, step 0 | accuracy, last step | s / step | time to "
+                  f"{threshold} (median) | vs TRL | peak RSS |", "|---|---|---|---|---|---|---|---|"]
+        trl_time = None
+        if "trl" in rows:
+            times = [t for t in (time_to(r, threshold) for r in rows["trl"]) if t is not None]
+            trl_time = statistics.median(times) if times else None
+        for row in [r for r in ROW_ORDER if r in rows]:
+            group = sorted(rows[row], key=lambda r: r["config"]["seed"])
+            last = str(config["steps"])
+            finals = [r["eval"][last]["accuracy"] for r in group]
+            start = group[0]["eval"]["0"]["accuracy"]
+            per_step = statistics.median(float(r["train_seconds"][last]) / config["steps"] for r in group)
+            times = [time_to(r, threshold) for r in group]
+            reached = [t for t in times if t is not None]
+            median = statistics.median(reached) if reached else None
+            when = "not reached" if median is None else f"{median:.0f} s" + (
+                f" ({len(reached)} of {len(times)} seeds)" if len(reached) < len(times) else "")
+            ratio = "" if median is None or trl_time is None else f"{median / trl_time:.2f}x"
+            rss = statistics.median(r.get("peak_rss_mib") or float("nan") for r in group)
+            seeds = ", ".join(str(r["config"]["seed"]) for r in group)
+            lines.append(f"| {ROW_NAMES[row]} | {seeds} | {start:.3f} | {mean_sd(finals)} | {per_step:.1f} | "
+                         f"{when} | {ratio} | {rss / 1024:.1f} GiB |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def figure(runs: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"trl": "tab:red", "ours": "tab:blue", "ours-v4": "tab:green", "ours-k1": "tab:purple"}
+    tasks = sorted(runs)
+    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.6 * len(tasks)), squeeze=False)
+    for (by_step, by_time), task in zip(axes, tasks):
+        for row in [r for r in ROW_ORDER if r in runs[task]]:
+            for i, run in enumerate(sorted(runs[task][row], key=lambda r: r["config"]["seed"])):
+                steps, seconds, accuracy = curve(run)
+                label = f"{ROW_NAMES[row]} ({len(runs[task][row])} seeds)" if i == 0 else None
+                by_step.plot(steps, accuracy, color=colors[row], alpha=0.75, marker=".", label=label)
+                by_time.plot(seconds, accuracy, color=colors[row], alpha=0.75, marker=".")
+        by_step.set(title=f"{task}: held-out accuracy", xlabel="optimizer step", ylabel="accuracy", ylim=(0, 1))
+        by_time.set(title=f"{task}: against training time", xlabel="training seconds (one core)", ylim=(0, 1))
+        by_step.legend(fontsize=8)
+        for ax in (by_step, by_time):
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(results: Path, document: Path) -> None:
+    runs = load_runs(results)
+    text = table(runs)
+    figure(runs, results / "race.png")
+    if document.exists() and BEGIN in document.read_text():
+        before, rest = document.read_text().split(BEGIN, 1)
+        after = rest.split(END, 1)[1]
+        document.write_text(f"{before}{BEGIN}\n{text}\n{END}{after}")
+    print(text)

@@ -1,0 +1,111 @@
+"""The race against TRL (experiments/race/): both sides and the evaluator see the same prompt tokens and the same
+reward, rows that the race cannot run are refused, and the report reads time-to-accuracy off the curves."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("reasoning_gym")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "race"))
+
+import race_config  # noqa: E402
+import race_report as report  # noqa: E402
+from race_config import RaceConfig, reward, system_prompt_of, train_rows, user_message  # noqa: E402
+from side_trl import ROW_KEYS, messages, task_reward  # noqa: E402
+
+TASK = "reasoning_gym:letter_counting:min_words=3:max_words=5:size=200:test_size=20"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from lit_grpo.models.loading import load_model_and_tokenizer
+
+    return load_model_and_tokenizer("tiny-random-llama", "float32")[1]
+
+
+def test_lit_grpo_trl_and_the_evaluator_prompt_with_the_same_tokens(tokenizer):
+    """Ours renders the task through its environment and trajectory runner; TRL applies the chat template to
+    the conversation the race gives it; the evaluator builds the prompt directly. All three must be the same ids."""
+    from lit_grpo.data.datamodule import RolloutDataModule
+    from lit_grpo.data.prompts import prompt_ids
+
+    config = RaceConfig(task=TASK, steps=2, eval_every=1, prompts_per_step=2)
+    data = RolloutDataModule(dataset=TASK, num_generations=2, system_prompt=system_prompt_of("oneshot", TASK))
+    runner = data.trajectory_runner(tokenizer)
+    for row in train_rows(config):
+        ours = runner.prompt(row)
+        trl = tokenizer.apply_chat_template(messages(config, row), add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+        evaluator = prompt_ids(tokenizer, user_message(row), system_prompt_of("oneshot", TASK))
+        assert ours == list(trl) == evaluator
+
+
+def test_the_trl_reward_is_the_tasks_own_score():
+    """TRL's batched reward, given the rows' columns as TRL passes them, scores each completion as the task's
+    scorer does: a right answer 1, a wrong one 0, no tags 0."""
+    rows = train_rows(RaceConfig(task=TASK, steps=2, eval_every=1, prompts_per_step=2))
+    texts = [f"<answer>{rows[0]['answer']}</answer>", f"<answer>{int(rows[1]['answer']) + 1}</answer>",
+             rows[2]["answer"]]
+    columns = {key: [str(row.get(key, "")) for row in rows[:3]] for key in ROW_KEYS}
+    scores = task_reward([None] * 3, [[{"role": "assistant", "content": t}] for t in texts], **columns)
+    assert scores == [reward(t, row) for t, row in zip(texts, rows)] == [1.0, 0.0, 0.0]
+
+
+def test_both_sides_train_on_the_same_rows_in_lit_grpos_order():
+    """Step s's prompts are rows [s P, (s + 1) P) of the data module's seeded epoch order, different per seed."""
+    from lit_grpo.data.datamodule import RolloutDataModule
+
+    config = RaceConfig(task=TASK, steps=3, eval_every=1, prompts_per_step=2, seed=5)
+    data = RolloutDataModule(dataset=TASK, prompts_per_step=2, num_generations=8, seed=5)
+    assert train_rows(config) == [data.rows[i] for i in data.epoch_order(0)[:6]]
+    assert train_rows(config) != train_rows(RaceConfig(task=TASK, steps=3, eval_every=1, prompts_per_step=2))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"side": "vllm"}, "side 'vllm'"),
+    ({"side": "trl", "sync_every": 4}, "on-policy"),
+    ({"steps": 7, "eval_every": 5}, "multiple of eval_every"),
+])
+def test_rows_the_race_cannot_run_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        RaceConfig(**options)
+
+
+def test_row_names():
+    assert [RaceConfig(side="trl").row, RaceConfig().row, RaceConfig(sync_every=4).row,
+            RaceConfig(max_staleness=1).row] == ["trl", "ours", "ours-v4", "ours-k1"]
+
+
+def test_the_oneshot_prompt_shows_a_train_answer_in_tags():
+    example = race_config.load_rows(TASK, "train")[0]
+    prompt = system_prompt_of("oneshot", TASK)
+    assert f"<answer>{example['answer']}</answer>" in prompt and example["question"] in prompt
+    with pytest.raises(ValueError, match="unknown prompt 'fewshot'"):
+        system_prompt_of("fewshot", TASK)
+
+
+def fake_run(row: str, seed: int, accuracies: list[float], seconds_per_step: float) -> dict:
+    steps = [5 * i for i in range(len(accuracies))]
+    return {"row": row, "config": {**RaceConfig().to_json(), "seed": seed, "steps": steps[-1], "eval_every": 5},
+            "train_seconds": {str(s): s * seconds_per_step for s in steps if s},
+            "eval": {str(s): {"accuracy": a} for s, a in zip(steps, accuracies)}, "peak_rss_mib": 2048.0}
+
+
+def test_time_to_accuracy_is_read_at_the_first_step_that_reaches_it():
+    run = fake_run("ours", 0, [0.05, 0.3, 0.55, 0.5], 10.0)
+    assert report.time_to(run, 0.5) == 100.0  # step 10, at 10 s a step
+    assert report.time_to(run, 0.05) == 0.0
+    assert report.time_to(run, 0.6) is None
+
+
+def test_the_table_gives_each_rows_ratio_to_trl():
+    runs = {"letter_counting": {"trl": [fake_run("trl", s, [0.0, 0.2, 0.6], 40.0) for s in (0, 1)],
+                                "ours": [fake_run("ours", 0, [0.0, 0.6, 0.6], 10.0)]}}
+    text = report.table(runs)
+    trl_line = next(line for line in text.splitlines() if line.startswith("| TRL"))
+    ours_line = next(line for line in text.splitlines() if line.startswith("| lit_grpo, on-policy"))
+    assert "| 400 s |" in trl_line and "0.600 ± 0.000" in trl_line
+    assert "| 50 s | 0.12x |" in ours_line  # step 5 at 10 s/step, against TRL's step 10 at 40 s/step
