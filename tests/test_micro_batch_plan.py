@@ -55,24 +55,87 @@ def test_packed_tokens_counts_each_row_with_its_own_prompt_and_no_padding():
     assert packed_tokens([], []) == 0
 
 
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("seed", range(6))
-def test_plan_is_the_fewest_contiguous_runs_within_the_budget(seed, packed):
-    c, p, g = random_rows(seed, 8)
-    budget = random.Random(seed).randint(30, 120)
-    plan = plan_by_tokens(c, p, g, budget, packed=packed)
-    assert sorted(r for run in plan for r in run) == list(range(8))
+def least_cost_by_brute_force(c: list[int], p: list[int], g: list[int], budget: int, packed: bool
+                              ) -> tuple[int, int]:
+    """The least (total cost, micro-batches) over every contiguous cut of the sorted rows in which each run is
+    within the budget or a single row."""
+    return min((sum(cost(run, c, p, g, packed) for run in cuts), len(cuts))
+               for cuts in contiguous_cuts(length_order(c, g))
+               if all(cost(run, c, p, g, packed) <= budget or len(run) == 1 for run in cuts))
+
+
+def check_plan(plan: list[list[int]], c: list[int], p: list[int], g: list[int], budget: int, packed: bool) -> None:
+    rows = len(c)
+    assert sorted(r for run in plan for r in run) == list(range(rows))
     assert all(run == sorted(run) for run in plan)
     assert all(cost(run, c, p, g, packed) <= budget or len(run) == 1 for run in plan)
-    order = length_order(c, g)
-    feasible = [cuts for cuts in contiguous_cuts(order)
-                if all(cost(run, c, p, g, packed) <= budget or len(run) == 1 for run in cuts)]
-    assert len(plan) == min(len(cuts) for cuts in feasible)
     # rows of one micro-batch are neighbours in the length order: the padding is what sorting leaves
-    position = {row: i for i, row in enumerate(order)}
+    position = {row: i for i, row in enumerate(length_order(c, g))}
     for run in plan:
         places = sorted(position[r] for r in run)
         assert places == list(range(places[0], places[0] + len(run)))
+    got = (sum(cost(run, c, p, g, packed) for run in plan), len(plan))
+    assert got == least_cost_by_brute_force(c, p, g, budget, packed)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_is_the_least_cost_contiguous_cut_then_the_fewest(seed, packed):
+    """Against every contiguous cut of the sorted order (2^(n-1) of them): the least total cost, then the fewest
+    micro-batches; budgets from one that leaves most rows alone over it (20) to one that never binds (10^6)."""
+    rng = random.Random(seed)
+    c, p, g = random_rows(seed, rng.randint(1, 9))
+    budget = rng.choice([20, rng.randint(30, 120), rng.randint(120, 400), 10**6])
+    check_plan(plan_by_tokens(c, p, g, budget, packed=packed), c, p, g, budget, packed)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_row_alone_over_the_budget_and_the_rest_by_least_cost(packed):
+    # the 60-token row cannot share (or fit); the others then split by cost, not by the fewest passes
+    c, p, g = [60, 30, 29, 4, 3, 3], [5, 5, 5, 9, 9, 9], [0, 0, 0, 1, 1, 1]
+    check_plan(plan_by_tokens(c, p, g, 70, packed=packed), c, p, g, 70, packed)
+
+
+def test_least_cost_cut_by_hand():
+    """One group, prompt of 10 tokens, completions 40, 38, 5, 4 under a budget of 1,000 (it never binds): one pass
+    computes 4 x 40 + 10 = 170 tokens; [40, 38] and [5, 4] compute (2 x 40 + 10) + (2 x 5 + 10) = 110, the least of
+    the 8 cuts (each apart: 40 + 38 + 5 + 4 + 4 x 10 = 127; [40], [38], [5, 4]: 50 + 48 + 20 = 118). The greedy
+    cut, the fewest passes, was the single 170-token one."""
+    c, p, g = [5, 40, 4, 38], [10] * 4, [0] * 4
+    assert plan_by_tokens(c, p, g, 1000) == [[1, 3], [0, 2]]
+    assert sum(padded_tokens([c[r] for r in run], [10] * len(run), [0] * len(run))
+               for run in plan_by_tokens(c, p, g, 1000)) == 110
+    # a budget of 89 tokens rules the [40, 38] pair out (90): then [40], [38], [5, 4], 118 tokens
+    assert plan_by_tokens(c, p, g, 89) == [[1], [3], [0, 2]]
+
+
+def test_equal_costs_take_the_fewest_micro_batches_then_the_longest_first_run():
+    # completions of 5 tokens, each with a 1-token prompt of its own: together 3 x 5 + 3 x 1 = 18 tokens, apart
+    # 3 x (5 + 1) = 18, two and one 12 + 6 = 18: a tie on cost, so the fewest runs, one
+    assert plan_by_tokens([5, 5, 5], [1, 1, 1], [0, 1, 2], 100) == [[0, 1, 2]]
+    # packed, every cut feeds the same tokens: the fewest runs, each first run as long as the budget lets it be
+    # (the greedy cut): 4 rows of 2 + 3 - 1 = 4 tokens under a budget of 12: [3 rows], [1 row], not [2], [2]
+    assert plan_by_tokens([3] * 4, [2] * 4, [0] * 4, 12, packed=True) == [[0, 1, 2], [3]]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_plan_is_the_same_for_the_same_lengths(packed):
+    """Every process plans its batch itself: the same lengths give the same plan, call after call, and a ranks'
+    copy of the lengths (a list or a tuple) changes nothing."""
+    c, p, g = random_rows(11, 40)
+    first = plan_by_tokens(c, p, g, 300, packed=packed)
+    assert all(plan_by_tokens(c, p, g, 300, packed=packed) == first for _ in range(3))
+    assert plan_by_tokens(tuple(c), tuple(p), tuple(g), 300, packed=packed) == first
+
+
+def test_a_few_hundred_rows_plan_in_quadratic_steps():
+    """O(n^2) at most: 400 rows under a budget that never binds (every run considered) plan without trouble, and
+    the plan is never worse than one pass or every row apart."""
+    c, p, g = random_rows(5, 400)
+    plan = plan_by_tokens(c, p, g, 10**9)
+    total = sum(cost(run, c, p, g) for run in plan)
+    assert total <= cost(list(range(400)), c, p, g)
+    assert total <= sum(cost([r], c, p, g) for r in range(400))
 
 
 def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own():

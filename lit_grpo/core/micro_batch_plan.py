@@ -5,8 +5,24 @@ and its completions as an ``[s, C']`` block (right-padded to its longest complet
 those two blocks (:func:`padded_tokens`), real or padding. Today's micro-batches take ``micro_batch_size``
 completions in order, so on uneven lengths each pays for its longest completion on every row. A token budget
 instead sorts the completions by length (longest first, so the largest forward, which sets the memory peak, comes
-first) and cuts the sorted order into contiguous runs whose padded tokens stay within the budget: rows of similar
-length share a micro-batch, and short ones are many to a pass.
+first) and cuts the sorted order into contiguous runs, each within the budget, whose padded tokens add up to the
+least total: rows of similar length share a micro-batch, and short ones are many to a pass.
+
+The cut is dynamic programming over the sorted order ``o_0 .. o_{n-1}``. With ``cost(i, j)`` the cost of the run
+``o_i .. o_{j-1}``, the best cut of the rows from ``i`` on is
+
+    T(n) = 0,    T(i) = min over j in (i, n] with cost(i, j) <= budget or j = i + 1 of  cost(i, j) + T(j),
+
+compared as the pair (total tokens, micro-batches), so that among cuts of equal total the fewest passes win, and
+on a full tie the longest first run (the largest ``j``): the same plan on every process for the same lengths. A
+run's cost never falls when it takes one more row, so the scan over ``j`` stops at the first run over the budget:
+O(n x rows per run) <= O(n^2) steps. A single row over the budget gets a run of its own. The cut with the fewest
+micro-batches (the greedy one, before this cut) can pay much more: it fills each pass to the budget, padding short
+rows to the longest of their pass. On the recorded steps of ``benchmarks/uneven_lengths.py`` at 4,096 tokens
+(``benchmarks/plan_padding.py``) the greedy cut made 2 passes a batch with 38 % padding, this one 6.4 with 6.5 %,
+0.75 of the tokens. The budget bounds a pass; it is not a target: a prompt's tokens, paid once per pass that holds
+its rows, are what stops a cut from going finer, and nothing here counts a pass's own fixed cost (launches, a
+sharded model's parameter gathers).
 
 Only the partition changes: the loss weights divide by totals of the whole batch (``lit_grpo.math.aggregation``),
 so the update is the same sum over rows, whatever micro-batch each row is in.
@@ -14,11 +30,18 @@ so the update is the same sum over rows, whatever micro-batch each row is in.
 Packed (``model.packing``, :mod:`lit_grpo.core.packing`), a micro-batch is fed as ONE row of real tokens in which
 each completion carries its own copy of its prompt: its cost is then :func:`packed_tokens`, every row paying
 prompt + completion and none paying padding, so a group's prompt counts once per completion rather than once.
-The same greedy cut and bisection apply (``packed=True``); the budget then bounds the packed row's length.
+The same dynamic programming applies (``packed=True``), the budget bounding the packed row's length; as no cut pads,
+every cut has the same total and the plan is the fewest micro-batches, each first run as long as the budget lets
+it be (the greedy cut).
 
 Sharded ranks (FSDP) must make the same number of forwards (each one gathers parameters together), so a plan can
 be asked for an exact number of micro-batches (:func:`split_into`): the ranks agree on the largest count any of
-them needs, and each cuts its own rows into that many runs with the smallest possible largest cost.
+them needs, and each cuts its own rows into that many runs with the smallest possible largest cost. It stays that
+cut (a bisection over the greedy cut), not the least total among the cuts with that count and that largest cost:
+measured with ``benchmarks/plan_padding.py`` on the uneven workload at 2 and 4 ranks of 1 to 8 prompts x 8, the
+least total would save 0.2 to 2.3 % of the ranks' tokens at the same largest cost (the memory peak), for a second
+dynamic program over (parts, rows) on every forced rank at every step, 3 to 5.5 times this one's time at 256 and
+512 rows (0.27 s against 0.05 s at 512).
 """
 
 from __future__ import annotations
@@ -58,7 +81,7 @@ def _cut(order: list[int], completion_lengths: Sequence[int], prompt_lengths: Se
          budget: int, packed: bool = False) -> list[list[int]]:
     """Greedy contiguous runs of ``order``, each within ``budget`` tokens (padded, or ``packed``); a row alone over
     the budget gets a run of its own. Adding a row never lowers a run's cost, so greedy runs are the fewest
-    possible."""
+    possible: what :func:`split_into`'s bisection asks of a budget."""
     runs: list[list[int]] = []
     current: list[int] = []
     longest = prompt_longest = fed = 0
@@ -81,16 +104,55 @@ def _cut(order: list[int], completion_lengths: Sequence[int], prompt_lengths: Se
     return runs
 
 
+def _least_cost_cut(order: list[int], completion_lengths: Sequence[int], prompt_lengths: Sequence[int],
+                    groups: Sequence[int], budget: int, packed: bool = False) -> list[list[int]]:
+    """Contiguous runs of ``order``, each within ``budget`` (a row alone over it: a run of its own), of the least
+    total cost, then the fewest runs, then the longest first run: the recurrence of the module docstring,
+    solved from the last row back."""
+    n = len(order)
+    total = [0] * (n + 1)  # T(i): the least (total cost, runs) of the rows order[i:]
+    runs = [0] * (n + 1)
+    end = [n] * (n + 1)  # where T(i)'s first run ends
+    for i in range(n - 1, -1, -1):
+        best: tuple[int, int] | None = None
+        longest = prompt_longest = fed = 0
+        prompts: set[int] = set()
+        for j in range(i, n):
+            row = order[j]
+            c, p = completion_lengths[row], prompt_lengths[row]
+            if packed:
+                fed += packed_tokens([c], [p])
+                cost = fed
+            else:  # the running maxima and distinct prompts: O(1) a row, not O(run) from scratch
+                longest, prompt_longest = max(longest, c), max(prompt_longest, p)
+                prompts.add(groups[row])
+                cost = (j - i + 1) * longest + len(prompts) * prompt_longest
+            if j > i and cost > budget:  # a run's cost never falls as it grows: no longer run fits either
+                break
+            key = (cost + total[j + 1], 1 + runs[j + 1])
+            if best is None or key <= best:  # "<=": on a full tie the later end, the longest first run, wins
+                best, end[i] = key, j + 1
+        assert best is not None  # j = i always gives a run
+        total[i], runs[i] = best
+    cut, start = [], 0
+    while start < n:
+        cut.append(order[start:end[start]])
+        start = end[start]
+    return cut
+
+
 def plan_by_tokens(completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int],
                    budget: int, packed: bool = False) -> list[list[int]]:
-    """The fewest micro-batches of at most ``budget`` tokens each (padded tokens, or with ``packed`` the packed
-    row's; a longer single row: one of its own), cut from the rows sorted by :func:`length_order`. Each
-    micro-batch lists its rows in ascending order."""
+    """Micro-batches of at most ``budget`` tokens each (padded tokens, or with ``packed`` the packed row's; a longer
+    single row: one of its own), cut from the rows sorted by :func:`length_order` into contiguous runs of the least
+    total cost, ``sum of cost(run)`` (:func:`padded_tokens` or :func:`packed_tokens`), and among those the fewest
+    runs (the dynamic programming of the module docstring). Each micro-batch lists its rows in ascending order."""
     if budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
     _check_lengths(completion_lengths, prompt_lengths, groups)
     order = length_order(completion_lengths, groups)
-    return [sorted(run) for run in _cut(order, completion_lengths, prompt_lengths, groups, budget, packed)]
+    return [sorted(run) for run in _least_cost_cut(order, completion_lengths, prompt_lengths, groups, budget,
+                                                   packed)]
 
 
 def split_into(completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int],
