@@ -1,0 +1,418 @@
+"""Re-run the cheapest cell of each committed result and compare it with the committed numbers.
+
+Every committed curve comes from a deterministic run: one thread, a seeded warm start, seeded prompts and sampling.
+The same code on the same environment gives the same numbers, so a cell re-run here matches its committed curve to
+``TOLERANCE``. Each result's cheapest cell is one seed of its cheapest row, run for the first ``steps`` optimizer
+steps only (a prefix of the committed run: the learning-rate schedule is constant after its warmup and nothing before
+step ``steps`` depends on when the run ends); the comparison takes every committed point of the compared series
+before that step, and the evaluations at it.
+
+One line per result:
+
+- ``match``: every compared point within ``TOLERANCE``;
+- ``differs``: the largest absolute difference and where (series and step); the command exits 1;
+- ``stale``: the result was made before a change that moves it (``STALE`` says which, and what a re-measure costs),
+  or with a warm start this environment does not build (its cache key is recorded with the result). A stale
+  result that differs is printed with its difference but does not fail the command: re-measure it and remove it
+  from ``STALE`` in the same change.
+
+    OMP_NUM_THREADS=1 python experiments/reproduce.py                  # every result (about 6 minutes on one core)
+    OMP_NUM_THREADS=1 python experiments/reproduce.py demo_cpu_seeds   # one of them
+    python experiments/reproduce.py --list                             # the results and their cells
+
+A warm start whose cache key names another instruction set than this CPU's (AVX2 on an AVX-512 machine) is rebuilt
+with torch dispatching to that set (``ATEN_CPU_CAPABILITY``), so a result made on such a machine is compared here
+too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+DEMO_CONFIG = ROOT / "configs" / "demo_cpu.yaml"
+TOOLS_CONFIG = ROOT / "configs" / "demo_tools_cpu.yaml"
+DEMO_SEEDS = RESULTS / "demo_cpu_seeds.json"
+#: what "the same number" means: runs at one thread are deterministic, their metrics are float32
+TOLERANCE = 1e-6
+#: x86 instruction sets torch can be told to dispatch to (``ATEN_CPU_CAPABILITY``), from the widest down
+X86_CAPABILITIES = ("AVX512", "AVX2", "DEFAULT")
+#: the demo's TensorBoard series that ``demo_cpu_seeds.json`` keeps (its five-seed table and the train reward)
+DEMO_TAGS = ("eval/pass@1", "eval/pass@8", "rollout/reward_mean")
+
+#: results made before a change that moves their numbers: the reason, and what re-measuring them costs
+STALE: dict[str, str] = {
+    "fig2_miniature": "made 2026-11-22, before the in-process engine's per-(row, position) sampling draws "
+                      "(2026-11-26); re-measure: python experiments/fig2_miniature.py, 39 runs, about 1.5 h on 2 cores",
+    "fig2_paper": "made 2026-11-23, before the in-process engine's per-(row, position) sampling draws (2026-11-26); "
+                  "re-measure: python experiments/fig2_miniature.py --suite paper, 35 runs with a server each, "
+                  "about 70 min on 2 cores (one run at a time)",
+    "corrections_study": "made 2026-11-26 07:03, before the in-process engine's per-(row, position) sampling draws "
+                         "(11:03 that day); re-measure: python experiments/corrections_study.py, 87 runs, about "
+                         "2 h on 2 cores",
+}
+
+
+@dataclass
+class Cell:
+    """One run of a committed result: the ``fit`` command's overrides of ``config``, its seed and prefix length,
+    and the committed points it is compared with (``{series: {step: value}}``)."""
+
+    config: Path
+    seed: int
+    steps: int
+    overrides: list[str]
+    expected: dict[str, dict[int, float]]
+    evaluations: tuple[str, ...]  # series measured at step ``steps`` too (evaluations), the rest before it
+    #: the TensorBoard tag of each compared series (its name in the committed file -> the tag)
+    tags: dict[str, str]
+    warm_start_key: str | None = None  # the warm start's cache key the result records, when it records one
+    warm_start: str = "arith"  # which warm start the run uses: "arith" (arith-tiny-sft) or "calc" (calc-tiny-sft)
+    description: str = ""
+    scale: int = 1  # optimizer steps per logged step (i): the committed x axis is optimizer steps
+    extra: dict = field(default_factory=dict)
+
+
+# --- the comparison -------------------------------------------------------------------------------------------
+
+
+def prefix_points(series: dict[str, dict[int, float]], steps: int,
+                  evaluations: tuple[str, ...]) -> dict[str, dict[int, float]]:
+    """The points of a run of ``steps`` optimizer steps that a run of more steps shares with it: every point
+    logged before step ``steps``, and for the evaluation series (measured after an update, at its step) the one at
+    ``steps`` too."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    return {name: {s: v for s, v in points.items() if s < steps or (name in evaluations and s == steps)}
+            for name, points in series.items()}
+
+
+def max_abs_difference(expected: dict[str, dict[int, float]],
+                       measured: dict[str, dict[int, float]]) -> tuple[float, str]:
+    """The largest ``|expected - measured|`` over every point of ``expected`` and where it is (``series@step``).
+    A point ``measured`` lacks, or a NaN on one side only, counts as an infinite difference; no point at all is an
+    error (nothing would have been compared)."""
+    worst, where, compared = 0.0, "", 0
+    for name, points in sorted(expected.items()):
+        got = measured.get(name, {})
+        for step, value in sorted(points.items()):
+            compared += 1
+            if step not in got:
+                diff = math.inf
+            elif math.isnan(value) or math.isnan(got[step]):
+                diff = 0.0 if math.isnan(value) and math.isnan(got[step]) else math.inf
+            else:
+                diff = abs(value - got[step])
+            if diff > worst or not where:
+                worst, where = diff, f"{name}@{step}"
+    if not compared:
+        raise ValueError("no committed point to compare: the cell's prefix holds none")
+    return worst, where
+
+
+def first_difference(expected: dict[str, dict[int, float]], measured: dict[str, dict[int, float]],
+                     tolerance: float = TOLERANCE) -> str | None:
+    """The earliest step at which a point of ``expected`` is off by more than ``tolerance`` (missing counts), as
+    ``series@step`` (the first series by name at that step); ``None`` when every point agrees. Where a run first
+    leaves its committed curve says what moved it: at step 0, the start (warm start, sampling, evaluation)."""
+    off = []
+    for name, points in expected.items():
+        got = measured.get(name, {})
+        for step, value in points.items():
+            same = step in got and (abs(value - got[step]) <= tolerance
+                                    or (math.isnan(value) and math.isnan(got[step])))
+            if not same:
+                off.append((step, name))
+    if not off:
+        return None
+    step, name = min(off)
+    return f"{name}@{step}"
+
+
+def verdict(difference: float, where: str, stale_reason: str | None, tolerance: float = TOLERANCE) -> tuple[str, bool]:
+    """The result's line (after its name) and whether it fails the command: within ``tolerance`` it matches;
+    beyond, a result listed as stale is stale (reported, not failed), any other differs and fails."""
+    if difference <= tolerance:
+        return (f"match (max abs difference {difference:.1e} at {where})"
+                + (" -- listed in STALE but matches: remove it from STALE" if stale_reason else "")), False
+    shown = "inf (missing)" if math.isinf(difference) else f"{difference:.3g}"
+    if stale_reason:
+        return f"stale ({stale_reason}; differs by {shown} at {where})", False
+    return f"differs (max abs difference {shown} at {where})", True
+
+
+def as_points(pairs: list) -> dict[int, float]:
+    """A committed ``[[step, value], ...]`` series as ``{step: value}`` (the last value of a step wins, as when
+    a run's folder holds an interrupted attempt's events too)."""
+    return {int(step): float(value) for step, value in pairs}
+
+
+# --- the committed results and their cells ----------------------------------------------------------------------
+
+
+def demo_cell(steps: int = 50, seed: int = 0, path: Path = DEMO_SEEDS) -> Cell:
+    """The demo's five-seed table (``demo_cpu_seeds.json``): seed ``seed`` of ``configs/demo_cpu.yaml``, the
+    first ``steps`` steps (50: up to its first evaluation after the start)."""
+    saved = json.loads(path.read_text())
+    if "seeds" not in saved:
+        raise ValueError(f"{path}: no 'seeds' record; expected the layout reproduce.py --measure-demo writes")
+    record = saved["seeds"].get(str(seed))
+    if record is None:
+        raise ValueError(f"{path} has no seed {seed}; it has {sorted(saved['seeds'])}")
+    expected = {tag: {int(s): float(v) for s, v in record[tag].items()} for tag in DEMO_TAGS}
+    return Cell(DEMO_CONFIG, seed, steps, [], expected, ("eval/pass@1", "eval/pass@8"), {t: t for t in DEMO_TAGS},
+                warm_start_key=saved["warm_start"]["cache_key"], description=f"demo, seed {seed}, {steps} steps")
+
+
+def tools_cell(steps: int = 10, seed: int = 0) -> Cell:
+    """The tool demo's seeds (``demo_tools/seeds.json``): seed ``seed`` of ``configs/demo_tools_cpu.yaml``, the
+    first ``steps`` steps (10: up to its first evaluation after the start)."""
+    saved = json.loads((RESULTS / "demo_tools" / "seeds.json").read_text())
+    curves = saved[str(seed)]["curves"]
+    tags = ("eval/pass@1", "eval/pass@4", "rollout/tool_calls", "rollout/reward_mean")
+    expected = {tag: {int(s): float(v) for s, v in curves[tag].items()} for tag in tags}
+    return Cell(TOOLS_CONFIG, seed, steps, ["--trainer.enable_progress_bar", "false"], expected,
+                ("eval/pass@1", "eval/pass@4"), {t: t for t in tags}, warm_start="calc",
+                description=f"tool demo, seed {seed}, {steps} steps")
+
+
+#: the compared series of the sweeps (names in their curves file -> TensorBoard tags); timings are left out
+SWEEP_SERIES = {"pass@1": "eval/pass@1", "reward": "rollout/reward_mean", "tv_pi_alpha": "tv/pi_alpha",
+                "tv_pik_alpha": "tv/pik_alpha", "kl": "train/kl", "mismatch_k3": "mismatch/k3_kl",
+                "clip_low": "train/clip_low_fraction", "clip_high": "train/clip_high_fraction"}
+
+
+def sweep_cell(folder: str, run_key: dict, steps: int, label: str) -> Cell:
+    """A sweep's run (``curves.json.gz``) picked by ``run_key`` (e.g. row and seed), the first ``steps`` steps,
+    with the overrides the sweep's script gives it."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from curves_file import CURVES_FILE, read_curves
+
+    saved = read_curves(RESULTS / folder / CURVES_FILE)
+    runs = [r for r in saved["runs"] if all(r.get(k) == v for k, v in run_key.items())]
+    if len(runs) != 1:
+        raise ValueError(f"{folder}: {len(runs)} runs match {run_key}; expected one")
+    run = runs[0]
+    expected = {name: as_points(run["series"][name]) for name in SWEEP_SERIES if run["series"].get(name)}
+    settings = saved.get("settings", {})
+    eval_questions = settings.get("eval_questions", 100)
+    eval_every = settings.get("eval_every", 20)
+    if folder == "corrections_study":
+        import corrections_study as study
+
+        setting_overrides, server = study.SETTINGS[run["setting"]]
+        if server:
+            raise ValueError(f"{folder}: the cell {run_key} samples from a server; pick an in-process one")
+        overrides = [*setting_overrides, *study.ROWS[run["row"]]]
+    else:
+        overrides = list(run["overrides"])
+    sync_engine = settings.get("sync_engine", "in_process")
+    return Cell(DEMO_CONFIG, run["seed"], steps, overrides, expected, ("pass@1",),
+                {name: SWEEP_SERIES[name] for name in expected},
+                warm_start_key=settings.get("warm_start", {}).get("cache_key"), description=label,
+                extra={"eval_every": eval_every, "eval_questions": eval_questions, "server": sync_engine == "server"})
+
+
+#: each committed result's cheapest cell
+CELLS: dict[str, Callable[[], Cell]] = {
+    "demo_cpu_seeds": demo_cell,
+    "demo_tools": tools_cell,
+    "fig2_miniature": lambda: sweep_cell("fig2_miniature", {"row": "v1-i1", "seed": 0}, 20,
+                                         "rec suite, v1-i1, seed 0, 20 steps"),
+    "fig2_paper": lambda: sweep_cell("fig2_paper", {"row": "v1-i1", "seed": 0}, 20,
+                                     "paper suite, v1-i1 (a rollout server), seed 0, 20 steps"),
+    "corrections_study": lambda: sweep_cell("corrections_study", {"setting": "on-policy", "row": "none", "seed": 0},
+                                            20, "on-policy, none, seed 0, 20 steps"),
+}
+
+
+# --- running a cell ------------------------------------------------------------------------------------------------
+
+
+def capability_for(key: str | None, warm_start: str = "arith") -> str | None:
+    """The instruction set (``ATEN_CPU_CAPABILITY``) under which this environment builds the warm start of cache
+    key ``key``: this CPU's own, or a narrower x86 one it can also run; ``None`` when none builds it (another torch
+    or transformers version, another recipe). A result that records no key runs on this CPU's own."""
+    import torch
+
+    from lit_grpo.training import warm_start as ws
+
+    native = torch.backends.cpu.get_cpu_capability()
+    if key is None:
+        return native
+    config = ws.ARITH_TINY_SFT if warm_start == "arith" else ws.CALC_TINY_SFT
+    digest = ws.training_data_digest(config)
+    candidates = X86_CAPABILITIES[X86_CAPABILITIES.index(native):] if native in X86_CAPABILITIES else (native,)
+    for capability in candidates:
+        environment = {**ws.build_environment(), "cpu_capability": capability}
+        if ws.cache_key(config, environment, digest) == key:
+            return capability
+    return None
+
+
+def fit_command(cell: Cell, folder: Path) -> list[str]:
+    """The ``fit`` of ``cell`` into ``folder``: its config, seed and overrides, cut at ``cell.steps``; the sweeps'
+    through their scripts' own command (``fig2_miniature.command``)."""
+    common = ["--trainer.default_root_dir", str(folder), "--trainer.logger.init_args.save_dir", str(folder)]
+    if cell.config == DEMO_CONFIG and cell.extra:  # a sweep's run
+        sys.path.insert(0, str(ROOT / "experiments"))
+        import fig2_miniature as fig2
+
+        args = argparse.Namespace(steps=cell.steps, eval_every=cell.extra["eval_every"],
+                                  eval_questions=cell.extra["eval_questions"])
+        return fig2.command(cell.overrides, cell.seed, folder, args)
+    return [sys.executable, "-m", "lit_grpo", "fit", "--config", str(cell.config), "--seed_everything",
+            str(cell.seed), *common, *cell.overrides, "--trainer.max_steps", str(cell.steps)]
+
+
+def run_cell(cell: Cell, folder: Path, capability: str | None = None) -> dict[str, dict[int, float]]:
+    """Run ``cell`` (one thread; with a rollout server of its own where its sweep samples from one) and read its
+    compared series back from TensorBoard, under their committed names, steps in optimizer steps."""
+    from lit_grpo.cli.plots import read_scalars
+
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability.lower()
+    cmd = fit_command(cell, folder)
+    with open(folder / "log.txt", "w") as log:
+        if cell.extra.get("server"):
+            sys.path.insert(0, str(ROOT / "experiments"))
+            from miniature_server import MiniatureServer, parameter_checksums
+
+            with MiniatureServer("arith-tiny-sft", folder, parameter_checksums("arith-tiny-sft")) as server:
+                options = {"url": server.url, "token_file": str(server.token_file), "timeout_s": 60}
+                proc = subprocess.run(cmd + ["--data.engine", "server", "--data.engine_options",
+                                             json.dumps(options)], cwd=ROOT, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT)
+        else:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise RuntimeError(f"{cell.description}: fit exited with {proc.returncode}; see {folder / 'log.txt'}")
+    scalars = read_scalars(folder)
+    return {name: {step * cell.scale: value for step, value in scalars.get(tag, [])}
+            for name, tag in cell.tags.items()}
+
+
+def check(name: str, work: Path) -> tuple[str, bool]:
+    """Run result ``name``'s cell in ``work`` and compare: its line and whether it fails the command."""
+    cell = CELLS[name]()
+    stale = STALE.get(name)
+    capability = capability_for(cell.warm_start_key, cell.warm_start)
+    if capability is None:
+        return (f"stale (its warm start, cache key {cell.warm_start_key}, is built by another torch, transformers "
+                f"or recipe version than this environment's" + (f"; {stale}" if stale else "") + ")"), False
+    if cell.extra.get("server") and capability != capability_for(None):
+        return f"stale (its server rows need this CPU's own instruction set, the result's is {capability})", False
+    start = time.perf_counter()
+    measured = run_cell(cell, work / name, capability)
+    expected = prefix_points(cell.expected, cell.steps, cell.evaluations)
+    difference, where = max_abs_difference(expected, measured)
+    line, fails = verdict(difference, where, stale)
+    first = first_difference(expected, measured)
+    first = f", first at {first}" if first else ""
+    return f"{line}{first}; {cell.description}, {time.perf_counter() - start:.0f} s", fails
+
+
+# --- measuring the demo's seeds ----------------------------------------------------------------------------------
+
+
+def measure_demo(seeds: list[int], runs: Path, steps: int = 150, out: Path = DEMO_SEEDS) -> dict:
+    """Run the demo (``configs/demo_cpu.yaml``, one thread) for each seed and write ``demo_cpu_seeds.json``: the
+    warm start's record and, per seed, ``DEMO_TAGS`` by step and the run's wall seconds. A seed whose run
+    finished in ``runs`` is read back, not run again."""
+    import torch
+
+    from lit_grpo.cli.plots import read_scalars
+    from lit_grpo.training.warm_start import ARITH_TINY_SFT, load_warm_started, weights_fingerprint
+
+    model, _ = load_warm_started(ARITH_TINY_SFT)
+    record = {"config": str(DEMO_CONFIG.relative_to(ROOT)), "steps": steps, "threads": 1,
+              "warm_start": {"model": "arith-tiny-sft", "cache_key": ARITH_TINY_SFT.key(),
+                             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                             "fingerprint": weights_fingerprint(model)},
+              "seeds": {}}
+    for seed in seeds:
+        folder = runs / f"seed{seed}"
+        wall = folder / "wall_seconds.txt"
+        if not wall.exists():
+            cell = Cell(DEMO_CONFIG, seed, steps, ["--trainer.enable_progress_bar", "false"], {}, (), {})
+            start = time.perf_counter()
+            run_cell(cell, folder)
+            wall.write_text(f"{time.perf_counter() - start:.1f}\n")
+        scalars = read_scalars(folder)
+        record["seeds"][str(seed)] = {**{tag: {str(s): v for s, v in scalars[tag]} for tag in DEMO_TAGS},
+                                      "wall_seconds": float(wall.read_text())}
+        print(f"seed {seed}: Pass@1 " + ", ".join(f"{s}: {v:.3f}" for s, v in scalars["eval/pass@1"]), flush=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def demo_table(record: dict) -> str:
+    """The README's five-seed table from ``demo_cpu_seeds.json``'s record: held-out Pass@1 (mean +- population
+    std over seeds, and the worst seed) and Pass@8 at each evaluated step, then each seed's last Pass@1."""
+    import statistics
+
+    seeds = record["seeds"]
+    steps = sorted({int(s) for r in seeds.values() for s in r["eval/pass@1"]})
+
+    def at(tag: str, step: int) -> list[float]:
+        return [r[tag][str(step)] for r in seeds.values()]
+
+    def cells(tag: str) -> str:
+        return " | ".join(f"{statistics.fmean(at(tag, s)):.2f} +- {statistics.pstdev(at(tag, s)):.2f}" for s in steps)
+
+    lines = ["| optimizer step | " + " | ".join(str(s) for s in steps) + " |", "|---|" + "---|" * len(steps),
+             "| held-out Pass@1 | " + cells("eval/pass@1") + " |",
+             "| held-out Pass@1, worst seed | " + " | ".join(f"{min(at('eval/pass@1', s)):.2f}" for s in steps) + " |",
+             "| held-out Pass@8 | " + cells("eval/pass@8") + " |"]
+    last = steps[-1]
+    lines.append("last Pass@1 by seed: " + ", ".join(f"{seed}: {r['eval/pass@1'][str(last)]:.3f}"
+                                                     for seed, r in seeds.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="*", metavar="RESULT", help=f"default: all of {', '.join(CELLS)}")
+    parser.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary folder)")
+    parser.add_argument("--list", action="store_true", help="print each result's cell and exit")
+    parser.add_argument("--measure-demo", type=int, nargs="+", metavar="SEED", default=None,
+                        help="run the demo with these seeds and write experiments/results/demo_cpu_seeds.json")
+    parser.add_argument("--demo-runs", type=Path, default=ROOT / "runs" / "demo_seeds",
+                        help="--measure-demo's run folders (a finished seed is not run again)")
+    args = parser.parse_args(argv)
+    unknown = [r for r in args.results if r not in CELLS]
+    if unknown:
+        parser.error(f"unknown result(s) {unknown}; expected some of {list(CELLS)}")
+    if args.measure_demo is not None:
+        print(demo_table(measure_demo(args.measure_demo, args.demo_runs)))
+        return 0
+    names = args.results or list(CELLS)
+    if args.list:
+        for name in names:
+            print(f"{name:18} {CELLS[name]().description}" + (" [stale]" if name in STALE else ""))
+        return 0
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="reproduce-") as tmp:
+        work = args.work or Path(tmp)
+        for name in names:
+            line, fails = check(name, work)
+            failed |= fails
+            print(f"{name:18} {line}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
