@@ -91,7 +91,8 @@ def fake_run(row: str, seed: int, accuracies: list[float], seconds_per_step: flo
     steps = [5 * i for i in range(len(accuracies))]
     return {"row": row, "config": {**RaceConfig().to_json(), "seed": seed, "steps": steps[-1], "eval_every": 5},
             "train_seconds": {str(s): s * seconds_per_step for s in steps if s},
-            "eval": {str(s): {"accuracy": a} for s, a in zip(steps, accuracies)}, "peak_rss_mib": 2048.0}
+            "eval": {str(s): {"accuracy": a, "mean_score": a} for s, a in zip(steps, accuracies)},
+            "peak_rss_mib": 2048.0}
 
 
 def test_time_to_accuracy_is_read_at_the_first_step_that_reaches_it():
@@ -107,5 +108,5 @@ def test_the_table_gives_each_rows_ratio_to_trl():
     text = report.table(runs)
     trl_line = next(line for line in text.splitlines() if line.startswith("| TRL"))
     ours_line = next(line for line in text.splitlines() if line.startswith("| lit_grpo, on-policy"))
-    assert "| 400 s |" in trl_line and "0.600 ± 0.000" in trl_line
+    assert "| 400 s |" in trl_line and "| 0.600 ± 0.000 | 0.600 ± 0.000 |" in trl_line
     assert "| 50 s | 0.12x |" in ours_line  # step 5 at 10 s/step, against TRL's step 10 at 40 s/step

@@ -1,10 +1,11 @@
-"""Find reasoning-gym tasks a real pretrained model answers some of the time: held-out accuracy at step 0 between
-0.05 and 0.5, the range where GRPO's groups have a spread to learn from (issue: "a race on tasks no one here wrote").
+"""Find reasoning-gym tasks a real pretrained model answers some of the time: a held-out score at step 0 between
+0.05 and 0.5, the range where GRPO's groups have a spread to learn from (docs/race.md).
 
 For each candidate (task spec, system prompt) it samples ``--samples`` completions of ``--questions`` test questions
-at temperature 1 with ``--max-new-tokens`` new tokens, scores them with the task's own ``score_answer``
+at ``--temperature`` (1 by default) with ``--max-new-tokens`` new tokens, scores them with the task's own ``score_answer``
 (``lit_grpo.environments.reasoning_gym.score_completion``) and prints the mean score and the fraction of completions
-that wrote ``<answer>`` tags at all. Results go to ``experiments/results/race/probe.json``; the race's document
+that wrote ``<answer>`` tags at all (the score is the task's own, partial credit included; ``accuracy`` the
+share of completions scored above 0.5). Results go to ``experiments/results/race/probe.json``; the race's document
 lists what was tried.
 
     python experiments/race/probe_tasks.py                           # every candidate below
@@ -78,12 +79,14 @@ def main() -> None:
             tagged = [extract_answer(t) is not None for g in texts for t in g]
             record = {"spec": spec, "prompt": prompt, "model": args.model, "questions": len(rows),
                       "samples": args.samples, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                      "accuracy": sum(scores) / len(scores), "tagged": sum(tagged) / len(tagged),
+                      "mean_score": sum(scores) / len(scores),
+                      "accuracy": sum(s > 0.5 for s in scores) / len(scores), "tagged": sum(tagged) / len(tagged),
                       "seconds": round(time.perf_counter() - start, 1), "example": texts[0][0][:200]}
             key = (spec, prompt, args.model, args.temperature)
             results = [r for r in results if (r["spec"], r["prompt"], r["model"], r["temperature"]) != key]
             results.append(record)
-            print(f"{record['accuracy']:.3f}  tagged {record['tagged']:.2f}  {record['seconds']:6.1f}s  {prompt:7s} "
+            print(f"{record['mean_score']:.3f} (exact {record['accuracy']:.3f})  tagged {record['tagged']:.2f}  "
+                  f"{record['seconds']:6.1f}s  {prompt:7s} "
                   f"{spec}", flush=True)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(results, indent=1) + "\n")
