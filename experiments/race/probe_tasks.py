@@ -2,11 +2,11 @@
 0.05 and 0.5, the range where GRPO's groups have a spread to learn from (docs/race.md).
 
 For each candidate (task spec, system prompt) it samples ``--samples`` completions of ``--questions`` test questions
-at ``--temperature`` (1 by default) with ``--max-new-tokens`` new tokens, scores them with the task's own ``score_answer``
-(``lit_grpo.environments.reasoning_gym.score_completion``) and prints the mean score and the fraction of completions
-that wrote ``<answer>`` tags at all (the score is the task's own, partial credit included; ``accuracy`` the
-share of completions scored above 0.5). Results go to ``experiments/results/race/probe.json``; the race's document
-lists what was tried.
+at ``--temperature`` (1 by default) with ``--max-new-tokens`` new tokens, scores them with the task's own
+``score_answer`` (``lit_grpo.environments.reasoning_gym.score_completion``) and prints the mean score and the
+fraction of completions that wrote ``<answer>`` tags at all (the score is the task's own, partial credit included;
+``accuracy`` the share of completions scored above 0.5). Results go to ``experiments/results/race/probe.json``; the
+race's document lists what was tried.
 
     python experiments/race/probe_tasks.py                           # every candidate below
     python experiments/race/probe_tasks.py --only spell_backward     # candidates whose spec contains this
