@@ -1,7 +1,8 @@
 """Seconds until ``python -m lit_grpo`` answers: ``fit --help``, a one-line refusal of a bad value, ``--help`` and
 ``configs``, each run several times in a fresh process (min and median), and where each one's import time goes.
 
-A command that validates before it loads the training stack answers in a fraction of a second; one that goes
+A command that validates before it loads the training stack answers in a fraction of a second (an unknown
+option, a value of the wrong type, a number a light rule refuses: ``lit_grpo/cli/early_checks.py``); one that goes
 through LightningCLI pays for importing Lightning (which imports torch, torchmetrics and transformers) first, the
 floor of every such command. The floor is measured too: ``import torch`` and ``import lightning.pytorch`` alone.
 
@@ -24,10 +25,16 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+_FIT = ["-m", "lit_grpo", "fit", "--config", "configs/demo_cpu.yaml"]
 #: name -> the arguments after ``python``; run from the repository root (the config paths are relative to it)
 COMMANDS: dict[str, list[str]] = {
     "fit --help": ["-m", "lit_grpo", "fit", "--help"],
-    "refusal (--model.beta -1)": ["-m", "lit_grpo", "fit", "--config", "configs/demo_cpu.yaml", "--model.beta", "-1"],
+    "refusal (--model.beta -1)": [*_FIT, "--model.beta", "-1"],
+    "refusal (--data.num_generations 1)": [*_FIT, "--data.num_generations", "1"],
+    "refusal (--trainer.max_steps ten)": [*_FIT, "--trainer.max_steps", "ten"],
+    "refusal (--model.bta 0.1)": [*_FIT, "--model.bta", "0.1"],
+    # checked only when its class is built: LightningCLI's (the floor below plus parsing)
+    "refusal (--model.loss_aggregation x)": [*_FIT, "--model.loss_aggregation", "x"],
     "--help": ["-m", "lit_grpo", "--help"],
     "configs": ["-m", "lit_grpo", "configs"],
     "floor: import torch": ["-c", "import torch"],
@@ -70,10 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=8, help="heaviest imports shown per command (default 8)")
     args = parser.parse_args(argv)
     print(f"python {sys.version.split()[0]} on {sys.platform}; {args.runs} runs per command; wall-clock seconds")
-    print(f"{'command':<34} {'min':>7} {'median':>7}")
+    print(f"{'command':<38} {'min':>7} {'median':>7}")
     for name, command in COMMANDS.items():
         times = [wall_seconds(command) for _ in range(args.runs)]
-        print(f"{name:<34} {min(times):>7.2f} {statistics.median(times):>7.2f}", flush=True)
+        print(f"{name:<38} {min(times):>7.2f} {statistics.median(times):>7.2f}", flush=True)
     for name, command in COMMANDS.items():
         if name.startswith("floor"):
             continue

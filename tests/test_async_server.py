@@ -14,6 +14,8 @@ import pytest
 from distributed_launch import free_port, launch, launch_to_the_end
 from server_process import ROOT, ServerProcess
 
+pytestmark = pytest.mark.slow  # an end-to-end tier of its own: python -m pytest -m slow
+
 # beta > 0 so that the KL term counts in the compared numbers; one prompt x 4 completions per rank and step
 SETTINGS = dict(module=dict(beta=0.1, lr=1e-2), data=dict(prompts_per_step=1))
 

@@ -45,8 +45,14 @@ def test_a_bad_beta_is_one_line_before_lightning_loads(source, tmp_path):
     (["fit", "--config", "{bad_lr}"], LR + "-0.001 (model.optimizer.lr, in {bad_lr})"),
     (["fit", "--model.optimizer.weight_decay=-1"],
      "optimizer.weight_decay must be >= 0, got -1.0 (model.optimizer.weight_decay, on the command line)"),
+    # the data module's and GRPOModule's own rules (lit_grpo/data/option_checks.py, lit_grpo/training/option_checks.py)
+    (["fit", "--data.num_generations", "1"], "num_generations (G) must be >= 2 to form a group advantage, got 1 "
+                                             "(data.num_generations, on the command line)"),
+    (["fit", "--data.temperature", "0"], "temperature must be > 0, got 0.0 (data.temperature, on the command line)"),
+    (["fit", "--model.iterations_per_batch=0"], "iterations_per_batch (i) must be >= 1, got 0 "
+                                                "(model.iterations_per_batch, on the command line)"),
     # left to LightningCLI: a later file sets it right, a checkpoint's hyperparameters or a whole group may replace
-    # it, help or the config is asked for, the value is no number, no subcommand, or nothing sets it
+    # it, help or the config is asked for, no subcommand, or nothing sets it
     (["fit", "--model.beta", "-1", "--config", "{good}"], None),
     (["fit", "--model.beta", "-1", "--ckpt_path", "x.ckpt"], None),
     (["fit", "--config", "{bad}", "--config", "{ckpt}"], None),
@@ -55,8 +61,11 @@ def test_a_bad_beta_is_one_line_before_lightning_loads(source, tmp_path):
     (["fit", "--config", "{bad}", "--config", "{whole}"], None),
     (["fit", "--model.beta", "-1", "--print_config"], None),
     (["fit", "--model.beta", "-1", "--help"], None),
-    (["fit", "--model.beta", "minus one"], None),
-    (["fit", "--model.beta", "true"], None),
+    # a value of the wrong type: fit's parser's own check, from the table of its options (tests/test_option_types.py)
+    (["fit", "--model.beta", "minus one"], "model.beta expects a float, got 'minus one' (model.beta, on the command "
+                                           "line)"),
+    (["fit", "--model.beta", "true"], "model.beta expects a float, got 'true' (model.beta, on the command line)"),
+    (["validate", "--model.beta", "true"], None),  # the table is fit's: the parser of validate checks it
     (["--model.beta", "-1"], None),
     (["fit", "--config", "{good}"], None),
     (["fit", "--config", "{nested}"], None),
@@ -71,8 +80,12 @@ def test_which_values_are_refused_early(args, expected, tmp_path):
         (None if expected is None else expected.format(**paths))
 
 
-@pytest.mark.parametrize("option, value, message", [("model.beta", "-1", BETA + "-1.0 "),
-                                                     ("model.optimizer.lr", "0", LR + "0.0 ")])
+@pytest.mark.parametrize("option, value, message", [
+    ("model.beta", "-1", BETA + "-1.0 "), ("model.optimizer.lr", "0", LR + "0.0 "),
+    ("data.num_generations", "1", "num_generations (G) must be >= 2 to form a group advantage, got 1 "),
+    ("data.temperature", "0", "temperature must be > 0, got 0.0 "),
+    ("model.iterations_per_batch", "0", "iterations_per_batch (i) must be >= 1, got 0 "),
+])
 def test_lightning_cli_refuses_the_same_value_with_the_same_message(option, value, message, tmp_path, monkeypatch,
                                                                      capsys):
     """An early check is the rule LightningCLI applies when it builds the option's class: refused there too."""

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lit_grpo.cli.plots import plot_runs, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +25,7 @@ REQUIRED_TAGS = [
 ]
 
 
+@pytest.mark.slow
 def test_smollm2_config_runs_offline_and_logs_every_metric(tmp_path):
     # the default cache: the de-quantised SmolLM2 is shared with test_cli_multiprocess (one conversion per suite)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")

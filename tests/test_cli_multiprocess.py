@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # an end-to-end tier of its own: python -m pytest -m slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

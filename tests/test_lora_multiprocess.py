@@ -9,6 +9,8 @@ import torch
 from dist_worker import run_job
 from distributed_launch import launch
 
+pytestmark = pytest.mark.slow  # an end-to-end tier of its own: python -m pytest -m slow
+
 STRATEGIES = ("ddp", "fsdp2")
 LORA = dict(beta=0.1, lr=1e-2, lora=dict(r=4))
 

@@ -153,6 +153,7 @@ def refused_at_first_push(server: ServerProcess) -> None:
 LORA_MODULE = dict(beta=0.1, lr=1e-2, lora=dict(r=2, alpha=4.0))
 
 
+@pytest.mark.slow
 def test_lora_fits_against_the_server_synchronously_and_asynchronously(tmp_path):
     """Real fits (``dist_worker``): at K = 0 the server's rollouts give every number of the in-process engine's
     fit; at K = 1 (``data.max_staleness``) with two stage swaps (merges) the staleness bound holds and the server ends
@@ -183,6 +184,7 @@ def test_lora_fits_against_the_server_synchronously_and_asynchronously(tmp_path)
         server.kill()
 
 
+@pytest.mark.slow
 def test_lora_pi_ref_scored_on_the_server_is_the_trainers_adapter_off(tmp_path):
     """``data.reference_on_server`` with LoRA: the server scores pi_ref on its own base with the adapter off, labelled
     with the merges it holds; the trainer uses those log-probs while the labels agree (every step but the one right

@@ -15,6 +15,8 @@ from distributed_launch import free_port
 from multi_turn_helpers import launch_multi_turn, multi_turn_data, stopping_tiny_llama, task_file
 from server_process import ServerProcess
 
+pytestmark = pytest.mark.slow  # an end-to-end tier of its own: python -m pytest -m slow
+
 #: beta > 0 so that pi_ref (scored over the same sequence as pi, environment tokens included) enters the loss
 MODULE = dict(beta=0.1, lr=1e-2)
 #: timings and counts of waits differ between runs that compute the same numbers

@@ -14,6 +14,8 @@ import torch
 from dist_worker import run_job
 from distributed_launch import assert_same_steps, launch
 
+pytestmark = pytest.mark.slow  # an end-to-end tier of its own: python -m pytest -m slow
+
 STRATEGIES = ("ddp", "fsdp2")
 EQUALITY_CASES = list(itertools.product((False, True), ("token_mean", "seq_mean_token_mean", "constant")))
 # 4 completions a rank in micro-batches of 2 or 1: 2 or 4 micro-batches on each rank (4 or 8 in the one process)

@@ -34,6 +34,7 @@ def test_a_checkpoint_of_the_old_layout_resumes_to_the_same_steps(tmp_path):
             assert got[key] == pytest.approx(value, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_a_cli_checkpoint_of_the_old_layout_resumes_and_exports(tmp_path):
     ckpt = DATA / "cli" / "last.ckpt"
     fit = [sys.executable, "-m", "lit_grpo", "fit", "--config", str(ROOT / "configs" / "demo_cpu.yaml"),

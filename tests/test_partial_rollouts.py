@@ -289,6 +289,7 @@ def job(server: ServerProcess, max_steps: int, **extra) -> dict:
                 server=dict(url=server.url, token=server.token, timeout_s=60, bucket_mb=0.05), **extra)
 
 
+@pytest.mark.slow
 def test_a_fit_with_partial_rollouts_bounds_staleness_per_token_and_resumes_exactly(server, tmp_path):
     ckpt = str(tmp_path / "mid.ckpt")
     # the first run saves a checkpoint after step 3 (batch 3, requested when batch 2 was taken, is pending) and goes

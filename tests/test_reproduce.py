@@ -77,6 +77,7 @@ def test_a_demo_seeds_file_of_another_layout_is_refused_in_one_line(tmp_path):
         reproduce.demo_cell(seed=7)
 
 
+@pytest.mark.slow
 def test_the_demos_committed_seed_0_reproduces_over_its_first_50_steps(tmp_path):
     """The demo's seed 0 (``configs/demo_cpu.yaml``), 50 steps, through ``reproduce.run_cell``: its train reward at
     every step and its held-out Pass@1 and Pass@8 at steps 0 and 50 equal the committed ``demo_cpu_seeds.json`` to

@@ -10,6 +10,8 @@ import pytest
 from distributed_launch import assert_same_steps, free_port, launch, launch_to_the_end
 from server_process import ServerProcess
 
+pytestmark = pytest.mark.slow  # an end-to-end tier of its own: python -m pytest -m slow
+
 STRATEGIES = ("ddp", "fsdp2")
 V1_STEPS = {"ddp": 2, "fsdp2": 3}
 # the FSDP2 v = 1 fit is also the straight run the resumed one is compared with (beta > 0: the KL term counts)

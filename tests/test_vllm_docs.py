@@ -1,8 +1,9 @@
 """The CPU commands of docs/vllm.md (colocated vLLM) and docs/rollout-server.md (``vllm serve``) run as written, at
-the demo's batch size, for 2 steps (the vLLM tier). Each fenced block that follows a ``<!-- vllm-tier: NAME -->``
-line is read from the docs, so the docs cannot drift from what runs. ``HOME`` is the test's folder (the commands
-write the exported model under ``~/models``), and the peak resident memory of each process tree is printed: the
-docs quote it."""
+the demo's batch size, for 1 step (the vLLM tier): the first batch, the first-push check and the push after the
+update. Each fenced block that follows a ``<!-- vllm-tier: NAME -->`` line is read from the docs, so the docs cannot
+drift from what runs. ``HOME`` is a folder of the module, where docs/vllm.md's export command (the first line of its
+block, run once) writes the model both documents name under ``~/models``; each test runs in a folder of its own, and
+the peak resident memory of each process tree is printed: the docs quote it."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from lit_grpo.cli.plots import read_scalars
 pytestmark = [pytest.mark.vllm, requires_vllm]
 
 ROOT = Path(__file__).resolve().parents[1]
-#: what the test adds to a documented ``fit``: 2 steps, no held-out evaluation
-SHORT = " --trainer.max_steps 2 --eval.at_start false --eval.at_end false --eval.every_n_optimizer_steps null"
+#: what the test adds to a documented ``fit``: 1 step, no held-out evaluation
+SHORT = " --trainer.max_steps 1 --eval.at_start false --eval.at_end false --eval.every_n_optimizer_steps null"
 
 
 def documented_block(doc: str, name: str) -> str:
@@ -36,7 +37,7 @@ def documented_block(doc: str, name: str) -> str:
 
 
 def shortened(block: str) -> str:
-    """The block with every ``lit_grpo fit`` line cut to 2 steps without evaluation."""
+    """The block with every ``lit_grpo fit`` line cut to 1 step without evaluation."""
     return "\n".join(line + SHORT if "lit_grpo fit" in line else line for line in block.splitlines())
 
 
@@ -82,23 +83,37 @@ def run_watched(script: str, cwd: Path, env: dict, timeout_s: float,
     return result, peak, side_peak
 
 
-@pytest.fixture
-def home(tmp_path):
-    (tmp_path / "configs").symlink_to(ROOT / "configs")  # the commands name configs/ from the checkout
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """``(HOME, environment)`` after docs/vllm.md's export command, run as written in that HOME."""
+    home = tmp_path_factory.mktemp("home")
     # `python` in the commands is this environment's, as in a shell where it is activated
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    env = dict(os.environ, HOME=str(tmp_path), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PATH=path)
+    env = dict(os.environ, HOME=str(home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PATH=path)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the documented commands size vLLM's cache themselves
     env.pop("LIT_GRPO_CACHE", None)
-    return tmp_path, env
+    export = documented_block("vllm.md", "colocated").splitlines()[0]
+    assert "lit_grpo export" in export, export
+    setup = subprocess.run(["bash", "-c", export], cwd=home, env=env, capture_output=True, text=True, timeout=600)
+    assert setup.returncode == 0, setup.stderr[-3000:]
+    return home, env
+
+
+@pytest.fixture
+def home(exported, tmp_path):
+    """The test's folder, where the commands run (they name configs/ from the checkout), and the environment."""
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    return tmp_path, exported[1]
 
 
 def test_colocated_cpu_commands_of_docs_vllm_md(home):
     cwd, env = home
-    result, peak, _ = run_watched(shortened(documented_block("vllm.md", "colocated")), cwd, env, 1500)
+    _export, *fit = documented_block("vllm.md", "colocated").splitlines()  # the export: run by the fixture
+    result, peak, _ = run_watched(shortened("\n".join(fit)), cwd, env, 1500)
     assert result.returncode == 0, result.stderr[-4000:]
     scalars = read_scalars(cwd / "runs" / "demo_cpu")
-    assert len(scalars["train/loss"]) == 2
+    assert len(scalars["train/loss"]) == 1
+    assert scalars["sync/count"] == [(0, 1.0)]  # the update's weights were pushed to vLLM after the step
     gap = scalars["rollout/sampler_check_gap"]
     print(f"colocated vLLM, demo batch: peak RSS {peak / 2**30:.2f} GiB, first-push gap {gap}")
     assert [s for s, _ in gap] == [0] and gap[0][1] < 1e-4
@@ -108,9 +123,6 @@ def test_vllm_serve_cpu_commands_of_docs_rollout_server_md(home):
     cwd, env = home
     serve = documented_block("rollout-server.md", "serve")
     fit = documented_block("rollout-server.md", "serve-fit")
-    export = documented_block("vllm.md", "colocated").splitlines()[0]  # the model directory both name
-    setup = subprocess.run(["bash", "-c", export], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert setup.returncode == 0, setup.stderr[-3000:]
     token_line, *server_lines = [line for line in serve.splitlines() if line.strip()]
     assert token_line.startswith("export LIT_GRPO_SERVER_TOKEN=")
     token = subprocess.run(["bash", "-c", token_line + '\nprintf %s "$LIT_GRPO_SERVER_TOKEN"'], env=env,
@@ -140,7 +152,8 @@ def test_vllm_serve_cpu_commands_of_docs_rollout_server_md(home):
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
     scalars = read_scalars(cwd / "runs" / "demo_cpu")
-    assert len(scalars["train/loss"]) == 2
+    assert len(scalars["train/loss"]) == 1
+    assert scalars["sync/count"] == [(0, 1.0)]  # the update's weights were pushed to vLLM after the step
     gap = scalars["rollout/sampler_check_gap"]
     print(f"vllm serve, demo batch: peak RSS trainer {trainer_peak / 2**30:.2f} GiB, server "
           f"{server_peak / 2**30:.2f} GiB, first-push gap {gap}")

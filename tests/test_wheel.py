@@ -26,6 +26,8 @@ from wheel_install import built_wheel, run, site_packages, tracked_files, venv_e
 
 from lit_grpo.cli.commands import TOOLS
 
+pytestmark = pytest.mark.slow  # an end-to-end tier of its own: python -m pytest -m slow
+
 PACKAGE = "lit_grpo"
 # where a tracked file lies in the checkout -> where it lies in the wheel (pyproject.toml's package-dir); a folder
 # moved into lit_grpo/ simply stops matching its entry

@@ -15,6 +15,8 @@ from wheel_install import ROOT, readme_wheel_commands, run, venv_env, wheel_venv
 
 from lit_grpo.cli.plots import read_scalars
 
+pytestmark = pytest.mark.slow  # an end-to-end tier of its own: python -m pytest -m slow
+
 # the demo in two steps on the untrained tiny model (the warm-started one costs minutes on first use), Pass@1 on
 # 8 questions at the start and after step 2
 TINY = ("--model.model_name tiny-random-llama --trainer.max_steps 2 --data.prompts_per_step 2 "

@@ -6,7 +6,12 @@ the option is set; :data:`EARLY_CHECKS`), so the two cannot disagree; LightningC
 A value is read only where it is certain: the command line (``--key value``, ``--key=value``) and the ``--config``
 files, in order, a later one overriding an earlier one. A command with ``--ckpt_path`` (whose hyperparameters may
 replace the value), with the option's group given whole (``--model file.yaml``), or asking for help or the config
-is left to LightningCLI, as is a value of the wrong type (its parser names the type).
+is left to LightningCLI.
+
+Before the rules, ``fit`` gets the parser's own first checks from the table of its options
+(:mod:`lit_grpo.cli.option_types`): an unknown option (with the hint LightningCLI would give) and a value of the
+wrong type or outside an option's choices, on the command line or in a config file, each refused only where the
+parser surely refuses it too.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from collections.abc import Callable
 
 import yaml
 
+from lit_grpo.cli.option_hints import option_hint
+from lit_grpo.cli.option_table import OPTIONS
+from lit_grpo.cli.option_types import GROUP, read_text, type_refusal, unknown_key
 from lit_grpo.cli.sources import SUBCOMMANDS, lookup, read_yaml
 
 
@@ -33,8 +41,37 @@ def _optimizer(field: str) -> Callable[[float], None]:
     return check
 
 
-#: option -> its rule (raises ``ValueError`` with the one-line message); float options only
+def _batch(field: str) -> Callable[[float], None]:
+    def check(value: float) -> None:
+        from lit_grpo.data.option_checks import check_batch_numbers  # the data module's own checks (torch only)
+
+        # the other numbers at values the rule accepts: only ``field``'s own bound can fail
+        numbers = dict(num_generations=2, prompts_per_step=1, micro_batch_size=1, micro_batch_tokens=None,
+                       advantage_eps=1.0, max_prompts=None)
+        check_batch_numbers(**{**numbers, field: value})
+
+    return check
+
+
+#: option -> its rule (raises ``ValueError`` with the one-line message); number options only, given as an int
+#: where the option is one (OPTIONS)
+def _module(field: str) -> Callable[[float], None]:
+    def check(value: float) -> None:
+        from lit_grpo.training.option_checks import check_module_numbers  # GRPOModule's own checks (light)
+
+        check_module_numbers(**{field: value})
+
+    return check
+
+
+#: where the value is set, in this order: these rules import no torch but the last three (a bad number answers
+#: soonest where it needs none). data.temperature is the loss's too (linked to model.temperature), refused there.
 EARLY_CHECKS: dict[str, Callable[[float], None]] = {
+    **{f"data.{field}": _batch(field) for field in ("num_generations", "prompts_per_step", "micro_batch_size",
+                                                    "advantage_eps", "max_prompts")},
+    "data.temperature": _module("temperature"),
+    "model.iterations_per_batch": _module("iterations_per_batch"),
+    "model.peak_flops": _module("peak_flops"),
     "model.beta": _beta,
     "model.optimizer.lr": _optimizer("lr"),
     "model.optimizer.weight_decay": _optimizer("weight_decay"),
@@ -88,19 +125,85 @@ def given_value(argv: list[str], key: str) -> tuple[str | None, object]:
     return found, value
 
 
+def _unknown(key: str, dash: str) -> str:
+    message = f"unrecognized arguments: --{key}" if dash else f"no option {key}"
+    hint = option_hint(f"--{key}" if dash else f"accept option '{key}'", [k for k, v in OPTIONS.items() if v != GROUP])
+    return f"{message}; {hint}" if hint else message
+
+
+def command_line_refusal(rest: list[str]) -> tuple[str, str] | None:
+    """``(message, where)`` of the first option after ``fit`` that is unknown or has a value of the wrong type."""
+    for i, arg in enumerate(rest):
+        if not arg.startswith("--"):
+            continue
+        name, eq, text = arg[2:].partition("=")
+        name = name.removesuffix("+")  # --key+=value appends
+        if name in ("config", "ckpt_path", "seed_everything") or "." not in name:
+            continue  # a file, a checkpoint, or an option outside every section: the parser's
+        if unknown_key(name, OPTIONS):
+            return _unknown(name, dash="--"), f"{name}, on the command line"
+        if not eq:
+            if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
+                continue  # no value: the parser says so
+            text = rest[i + 1]
+        if name in OPTIONS and (refused := type_refusal(name, OPTIONS[name], read_text(text), text)):
+            return refused, f"{name}, on the command line"
+    return None
+
+
+def file_refusal(path: str) -> tuple[str, str] | None:
+    """``(message, where)`` of the first key of a ``--config`` file that is unknown or has a value of the wrong type
+    (a file that is not a mapping of sections, or holds a checkpoint or subcommand, is the parser's)."""
+    data = read_yaml(path)
+    if not isinstance(data, dict) or any(part in data for part in ("ckpt_path", *SUBCOMMANDS)):
+        return None
+
+    def walk(node: dict, prefix: str) -> tuple[str, str] | None:
+        for part, value in node.items():
+            key = f"{prefix}.{part}" if prefix else str(part)
+            if prefix and unknown_key(key, OPTIONS):
+                return _unknown(key, dash=""), f"{key}, in {path}"
+            entry = OPTIONS.get(key)
+            if entry == GROUP:
+                if isinstance(value, dict) and not {"class_path", "init_args"} & set(value):
+                    if (found := walk(value, key)) is not None:
+                        return found
+            elif entry is not None and (refused := type_refusal(key, entry, value)):
+                return refused, f"{key}, in {path}"
+        return None
+
+    return walk(data, "")
+
+
 def early_refusal(argv: list[str]) -> tuple[str, str] | None:
-    """``(message, where)`` of the first value of :data:`EARLY_CHECKS` that ``argv`` (``fit ...``) sets and its
-    rule refuses, else None."""
+    """``(message, where)``: for ``fit``, the first unknown option or value of the wrong type on its command line,
+    then in its config files; else the first value of :data:`EARLY_CHECKS` that ``argv`` (``fit ...``) sets and its
+    rule refuses; else None."""
     if not argv or argv[0] not in SUBCOMMANDS:
         return None
     rest = argv[1:]
     if any(arg.partition("=")[0] in _LEFT_TO_LIGHTNING for arg in rest):
         return None
+    if argv[0] == "fit":  # the table is fit's parser's
+        found = command_line_refusal(rest)
+        for i, arg in enumerate(rest):
+            if found is not None:
+                return found
+            name, eq, text = arg.partition("=")
+            if name in ("-c", "--config"):
+                path = text if eq else rest[i + 1] if i + 1 < len(rest) else None
+                found = file_refusal(path) if path else None
+        if found is not None:
+            return found
     for key, check in EARLY_CHECKS.items():
         source, value = given_value(rest, key)
         number = as_float(value) if source else None
         if number is None:
             continue
+        if OPTIONS.get(key, "").split("|")[0] == "int":
+            if not number.is_integer():
+                continue  # the parser names the type
+            number = int(number)
         try:
             check(number)
         except ValueError as err:

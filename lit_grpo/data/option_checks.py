@@ -7,7 +7,10 @@ one line naming the option, the value and what was expected. The engine's option
 
 from __future__ import annotations
 
-from lit_grpo.data.dynamic_sampling import OverlongPenalty
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the command line runs these checks before the training stack loads: nothing heavy here
+    from lit_grpo.data.dynamic_sampling import OverlongPenalty
 
 
 def check_sampler_check_options(max_gap: float | None, sequences: int) -> None:

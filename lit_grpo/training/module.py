@@ -8,7 +8,6 @@ step logs in ``lit_grpo.training.step_metrics``, and how its statistics merge in
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
 from typing import Any
@@ -56,6 +55,7 @@ from lit_grpo.models.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_
 from lit_grpo.training.flops import device_peak_flops, parameter_count, processed_tokens
 from lit_grpo.training.losses import LossOptions, build_loss, check_loss_inputs, check_loss_output, loss_inputs
 from lit_grpo.training.optim import OptimizerArgs, build_optimizer
+from lit_grpo.training.option_checks import check_module_numbers
 from lit_grpo.training.precision import check_trainer_precision, check_weights_dtype
 from lit_grpo.training.stat_reduction import merge_stats, reduce_stats
 from lit_grpo.training.step_metrics import (
@@ -160,13 +160,7 @@ class GRPOModule(L.LightningModule):
     ) -> None:
         super().__init__()
         quiet_lightning()  # for a Trainer built after the module, outside the command line
-        if peak_flops is not None and not (math.isfinite(peak_flops) and peak_flops > 0):
-            raise ValueError(f"peak_flops must be a finite number of FLOP/s > 0 (None: the device's known bf16 "
-                             f"peak), got {peak_flops!r}")
-        if iterations_per_batch < 1:
-            raise ValueError(f"iterations_per_batch (i) must be >= 1, got {iterations_per_batch}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        check_module_numbers(iterations_per_batch, temperature, max_completion_length, peak_flops)
         if loss_aggregation not in AGGREGATION_MODES:
             raise ValueError(f"unknown loss_aggregation {loss_aggregation!r}; expected one of {AGGREGATION_MODES}")
         if loss == "luspo" and loss_aggregation != "seq_mean_token_sum":
@@ -176,8 +170,6 @@ class GRPOModule(L.LightningModule):
         if mask_zero_variance and drop_zero_variance:
             raise ValueError("mask_zero_variance (eq. 8) and drop_zero_variance (DAPO-style) are both true; expected "
                              "at most one: they are two ways of leaving zero-variance groups out of the loss")
-        if max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
         self.optimizer_args = as_group(OptimizerArgs, optimizer, "optimizer")
         self.lora_args = None if lora is None else as_group(LoraArgs, lora, "lora")
         # the loss is resolved and its options checked now, so a bad name, path or option fails before a model loads

@@ -1,0 +1,22 @@
+"""What ``GRPOModule`` refuses of its own numbers when it is built, before any model loads. Imports nothing heavy, so
+the command line applies the same rules before Lightning is imported (``lit_grpo.cli.early_checks``): a refusal
+says the same line either way."""
+
+from __future__ import annotations
+
+import math
+
+
+def check_module_numbers(iterations_per_batch: int = 1, temperature: float = 1.0, max_completion_length: int = 1,
+                         peak_flops: float | None = None) -> None:
+    """``i`` (updates per rollout batch), the sampling temperature the loss divides by, the generation budget
+    (Dr.GRPO's constant normaliser) and the device's peak FLOP/s for the MFU metric."""
+    if peak_flops is not None and not (math.isfinite(peak_flops) and peak_flops > 0):
+        raise ValueError(f"peak_flops must be a finite number of FLOP/s > 0 (None: the device's known bf16 "
+                         f"peak), got {peak_flops!r}")
+    if iterations_per_batch < 1:
+        raise ValueError(f"iterations_per_batch (i) must be >= 1, got {iterations_per_batch}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if max_completion_length < 1:
+        raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
