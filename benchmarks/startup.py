@@ -34,7 +34,7 @@ COMMANDS: dict[str, list[str]] = {
     "refusal (--trainer.max_steps ten)": [*_FIT, "--trainer.max_steps", "ten"],
     "refusal (--model.bta 0.1)": [*_FIT, "--model.bta", "0.1"],
     # checked only when its class is built: LightningCLI's (the floor below plus parsing)
-    "refusal (--model.loss_aggregation x)": [*_FIT, "--model.loss_aggregation", "x"],
+    "refusal (--sync.every_n_batches 0)": [*_FIT, "--sync.every_n_batches", "0"],
     "--help": ["-m", "lit_grpo", "--help"],
     "configs": ["-m", "lit_grpo", "configs"],
     "floor: import torch": ["-c", "import torch"],

@@ -51,6 +51,9 @@ def test_a_bad_beta_is_one_line_before_lightning_loads(source, tmp_path):
     (["fit", "--data.temperature", "0"], "temperature must be > 0, got 0.0 (data.temperature, on the command line)"),
     (["fit", "--model.iterations_per_batch=0"], "iterations_per_batch (i) must be >= 1, got 0 "
                                                 "(model.iterations_per_batch, on the command line)"),
+    (["fit", "--model.loss_aggregation", "sum"], "unknown loss_aggregation 'sum'; expected one of ('token_mean', "
+                                                 "'seq_mean_token_mean', 'constant', 'seq_mean_token_sum') "
+                                                 "(model.loss_aggregation, on the command line)"),
     # left to LightningCLI: a later file sets it right, a checkpoint's hyperparameters or a whole group may replace
     # it, help or the config is asked for, no subcommand, or nothing sets it
     (["fit", "--model.beta", "-1", "--config", "{good}"], None),
@@ -85,6 +88,7 @@ def test_which_values_are_refused_early(args, expected, tmp_path):
     ("data.num_generations", "1", "num_generations (G) must be >= 2 to form a group advantage, got 1 "),
     ("data.temperature", "0", "temperature must be > 0, got 0.0 "),
     ("model.iterations_per_batch", "0", "iterations_per_batch (i) must be >= 1, got 0 "),
+    ("model.loss_aggregation", "sum", "unknown loss_aggregation 'sum'; expected one of "),
 ])
 def test_lightning_cli_refuses_the_same_value_with_the_same_message(option, value, message, tmp_path, monkeypatch,
                                                                      capsys):

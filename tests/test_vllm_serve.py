@@ -1,7 +1,8 @@
 """``ServerEngine(kind="vllm")`` against a real ``vllm serve`` process on the CPU build of vLLM, with the weight push
 over this package's gloo backend (a vLLM plugin, ``lit_grpo.wire.vllm_gloo``): generation, pause and resume,
-the weight versions, pushes checked by vLLM's own ``/weight_checker`` digests and by the sampled distribution, and
-an asynchronous K = 1 fit.
+the weight versions, pushes checked by vLLM's own ``/weight_checker`` digests and by the sampled distribution, a
+malformed push round refused by the worker with every weight kept, and an asynchronous K = 1 fit. The tests share
+one server: each pushes its own versions and compares with what it pushed.
 
 The vLLM tier: ``python -m pytest -m vllm`` in the CPU-with-vLLM environment (README, Install)."""
 
@@ -154,6 +155,37 @@ def test_pushes_without_the_token_are_refused_and_change_no_weight(served):
     assert mean_gap(attacker, PROMPTS, right.generate(PROMPTS, 2, SAMPLING, seed=5)) <= 1e-4
     right.close()
 
+
+def test_a_malformed_round_is_refused_by_the_worker_and_keeps_every_weight(served):
+    """A weight-push round that does not fit the served model is checked against the vLLM model's own parameters
+    before its layerwise reload sets any layer aside: refused with the bad entries named, every weight and the
+    version kept; a well-formed round then loads (the checks resolve the checkpoint's names through vLLM's packed
+    layers)."""
+    from lit_grpo.engines.remote.client import ServerEngine
+    from lit_grpo.wire.protocol import ServerError
+
+    server, _ = served
+    _, first = pushed_client(server, step=201)
+    before = first.weight_checksums()[server.url]
+    first.close()
+    # the server holds float32: a round of bfloat16 tensors is refused before anything loads
+    other = perturbed(tiny_vllm_llama()[0], scale=0.5, seed=3)
+    wrong = ServerEngine(url=server.url, kind="vllm", backend="gloo", dtype="bfloat16", policy=other, timeout_s=120,
+                         token=server.token)
+    with pytest.raises(ServerError) as refused:
+        wrong.load_weights(other.named_parameters(), step=202)
+    message = str(refused.value)
+    assert "malformed weight-push round refused by the vLLM worker, nothing loaded" in message, message
+    assert "dtype bfloat16, expected float32" in message and "\n" not in message
+    wrong.close()
+    # the server is untouched, and a well-formed round still goes through (a fresh group)
+    right = client(server, other)
+    assert right.weight_checksums()[server.url] == before
+    assert right.weight_versions() == {server.url: "201"}
+    right.load_weights(other.named_parameters(), step=203)
+    assert right.weight_versions() == {server.url: "203"}
+    assert right.weight_checksums()[server.url] != before
+    right.close()
 
 def test_pause_holds_requests_until_resume(served):
     server, _ = served

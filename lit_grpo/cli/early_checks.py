@@ -17,6 +17,7 @@ parser surely refuses it too.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import yaml
 
@@ -53,8 +54,14 @@ def _batch(field: str) -> Callable[[float], None]:
     return check
 
 
-#: option -> its rule (raises ``ValueError`` with the one-line message); number options only, given as an int
-#: where the option is one (OPTIONS)
+#: option -> its rule (raises ``ValueError`` with the one-line message), given the value as an int, a float or a str
+#: as the option is one (OPTIONS)
+def _aggregation(mode: str) -> None:
+    from lit_grpo.training.option_checks import check_loss_aggregation  # GRPOModule's (imports torch)
+
+    check_loss_aggregation(mode)
+
+
 def _module(field: str) -> Callable[[float], None]:
     def check(value: float) -> None:
         from lit_grpo.training.option_checks import check_module_numbers  # GRPOModule's own checks (light)
@@ -64,14 +71,15 @@ def _module(field: str) -> Callable[[float], None]:
     return check
 
 
-#: where the value is set, in this order: these rules import no torch but the last three (a bad number answers
+#: where the value is set, in this order: these rules import no torch but the last four (a bad number answers
 #: soonest where it needs none). data.temperature is the loss's too (linked to model.temperature), refused there.
-EARLY_CHECKS: dict[str, Callable[[float], None]] = {
+EARLY_CHECKS: dict[str, Callable[[Any], None]] = {
     **{f"data.{field}": _batch(field) for field in ("num_generations", "prompts_per_step", "micro_batch_size",
                                                     "advantage_eps", "max_prompts")},
     "data.temperature": _module("temperature"),
     "model.iterations_per_batch": _module("iterations_per_batch"),
     "model.peak_flops": _module("peak_flops"),
+    "model.loss_aggregation": _aggregation,
     "model.beta": _beta,
     "model.optimizer.lr": _optimizer("lr"),
     "model.optimizer.weight_decay": _optimizer("weight_decay"),
@@ -197,15 +205,21 @@ def early_refusal(argv: list[str]) -> tuple[str, str] | None:
             return found
     for key, check in EARLY_CHECKS.items():
         source, value = given_value(rest, key)
-        number = as_float(value) if source else None
-        if number is None:
-            continue
-        if OPTIONS.get(key, "").split("|")[0] == "int":
-            if not number.is_integer():
-                continue  # the parser names the type
-            number = int(number)
-        try:
-            check(number)
-        except ValueError as err:
-            return str(err), f"{key}, {source}"
+        if source is not None and (typed := as_typed(value, OPTIONS.get(key, "float"))) is not None:
+            try:
+                check(typed)
+            except ValueError as err:
+                return str(err), f"{key}, {source}"
     return None
+
+
+def as_typed(value: object, entry: str) -> object:
+    """``value`` as the parser gives it to the option's class (entry ``entry`` of the table: an int, a float or a
+    str option), or None where its type is the parser's to refuse."""
+    kind = entry.split("|")[0]
+    if kind == "str":
+        return value if isinstance(value, str) else None
+    number = as_float(value)
+    if number is None or kind == "int" and not number.is_integer():
+        return None
+    return int(number) if kind == "int" else number

@@ -35,7 +35,6 @@ from lit_grpo.core.packing import packed_token_count, packing_supported
 from lit_grpo.core.quiet import quiet_lightning
 from lit_grpo.core.scoring import active_dropout, completion_logprobs, dropout_off, policy_logprobs
 from lit_grpo.math.aggregation import (
-    AGGREGATION_MODES,
     token_weights,
     zero_variance_dropped_weights,
     zero_variance_masked_weights,
@@ -55,7 +54,7 @@ from lit_grpo.models.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_
 from lit_grpo.training.flops import device_peak_flops, parameter_count, processed_tokens
 from lit_grpo.training.losses import LossOptions, build_loss, check_loss_inputs, check_loss_output, loss_inputs
 from lit_grpo.training.optim import OptimizerArgs, build_optimizer
-from lit_grpo.training.option_checks import check_module_numbers
+from lit_grpo.training.option_checks import check_loss_aggregation, check_module_numbers
 from lit_grpo.training.precision import check_trainer_precision, check_weights_dtype
 from lit_grpo.training.stat_reduction import merge_stats, reduce_stats
 from lit_grpo.training.step_metrics import (
@@ -161,8 +160,7 @@ class GRPOModule(L.LightningModule):
         super().__init__()
         quiet_lightning()  # for a Trainer built after the module, outside the command line
         check_module_numbers(iterations_per_batch, temperature, max_completion_length, peak_flops)
-        if loss_aggregation not in AGGREGATION_MODES:
-            raise ValueError(f"unknown loss_aggregation {loss_aggregation!r}; expected one of {AGGREGATION_MODES}")
+        check_loss_aggregation(loss_aggregation)
         if loss == "luspo" and loss_aggregation != "seq_mean_token_sum":
             raise ValueError(f"model.loss 'luspo' scales each sequence's loss by its length, which is "
                              f"loss_aggregation 'seq_mean_token_sum'; got {loss_aggregation!r}: set "

@@ -1,4 +1,4 @@
-"""What ``GRPOModule`` refuses of its own numbers when it is built, before any model loads. Imports nothing heavy, so
+"""What ``GRPOModule`` refuses of its own options when it is built, before any model loads. Imports nothing heavy, so
 the command line applies the same rules before Lightning is imported (``lit_grpo.cli.early_checks``): a refusal
 says the same line either way."""
 
@@ -20,3 +20,11 @@ def check_module_numbers(iterations_per_batch: int = 1, temperature: float = 1.0
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if max_completion_length < 1:
         raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
+
+
+def check_loss_aggregation(mode: str) -> None:
+    """How the loss of a batch's tokens is averaged (``lit_grpo.math.aggregation``)."""
+    from lit_grpo.math.aggregation import AGGREGATION_MODES
+
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown loss_aggregation {mode!r}; expected one of {AGGREGATION_MODES}")
