@@ -24,7 +24,7 @@ import yaml
 from lit_grpo.cli.option_hints import option_hint
 from lit_grpo.cli.option_table import OPTIONS
 from lit_grpo.cli.option_types import GROUP, read_text, type_refusal, unknown_key
-from lit_grpo.cli.sources import SUBCOMMANDS, lookup, read_yaml
+from lit_grpo.cli.sources import SUBCOMMANDS, config_files, lookup, read_yaml
 
 
 def _beta(value: float) -> None:
@@ -146,8 +146,8 @@ def command_line_refusal(rest: list[str]) -> tuple[str, str] | None:
             continue
         name, eq, text = arg[2:].partition("=")
         name = name.removesuffix("+")  # --key+=value appends
-        if name in ("config", "ckpt_path", "seed_everything") or "." not in name:
-            continue  # a file, a checkpoint, or an option outside every section: the parser's
+        if "." not in name:
+            continue  # --config, --ckpt_path, --seed_everything, a section given whole: the parser's
         if unknown_key(name, OPTIONS):
             return _unknown(name, dash="--"), f"{name}, on the command line"
         if not eq:
@@ -194,13 +194,10 @@ def early_refusal(argv: list[str]) -> tuple[str, str] | None:
         return None
     if argv[0] == "fit":  # the table is fit's parser's
         found = command_line_refusal(rest)
-        for i, arg in enumerate(rest):
+        for path in config_files(rest):
             if found is not None:
-                return found
-            name, eq, text = arg.partition("=")
-            if name in ("-c", "--config"):
-                path = text if eq else rest[i + 1] if i + 1 < len(rest) else None
-                found = file_refusal(path) if path else None
+                break
+            found = file_refusal(path)
         if found is not None:
             return found
     for key, check in EARLY_CHECKS.items():

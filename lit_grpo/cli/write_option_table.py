@@ -39,7 +39,7 @@ def fit_parser() -> Any:
     from lit_grpo.cli import lightning_cli
 
     class Built(Exception):
-        pass
+        """Carries the parser out of LightningCLI's constructor, before it parses anything."""
 
     class Probe(lightning_cli.GRPOCLI):
         def parse_arguments(self, parser, args) -> None:  # noqa: ANN001
