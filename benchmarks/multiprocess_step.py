@@ -7,7 +7,8 @@ weights synced to the in-process rollout engine every step (v = 1), no Theorem-1
 adds it: one more no-grad forward, on by default in training). The global batch is the same in every layout:
 1 process draws both prompts; 2 processes draw one each. In the ``server`` layout a third process
 (``python -m lit_grpo serve``, one thread) samples the rollouts and rank 0 pushes the weights to it every step;
-``server1`` is one trainer process and the server.
+``server1`` is one trainer process and the server; ``server2`` is two FSDP2 ranks and two servers, each rank's
+prompts starting at a server of its own.
 
 ``--max-staleness 0 1`` runs the server layouts synchronously (K = 0: the server idles while the trainer updates and
 the other way round) and asynchronously (K = 1: the server generates batch k + 1 while the trainer updates on batch
@@ -55,8 +56,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 OUTPUT = REPO_ROOT / "benchmarks" / "results" / "multiprocess_step.json"
-LAYOUTS = {"single": 1, "ddp": 2, "fsdp2": 2, "server": 2, "server1": 1}
-SERVED = ("server", "server1")
+LAYOUTS = {"single": 1, "ddp": 2, "fsdp2": 2, "server": 2, "server1": 1, "server2": 2}
+SERVED = ("server", "server1", "server2")
+#: rollout servers of a served layout (``server2``: two, ``data.engine_options.urls``; each rank starts at its own)
+SERVERS = {"server": 1, "server1": 1, "server2": 2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,17 +115,20 @@ def worker(args: argparse.Namespace) -> None:
             self.steps.append({"total": now - self.last, "rollout": float(m["rollout/rollout_seconds"]),
                                "update": float(m["train/update_seconds"]), "sync": float(m.get("sync/seconds", 0)),
                                "reward": float(m["rollout/reward_mean"]), "bytes": float(m.get("sync/bytes", 0)),
-                               "reference_served": float(m.get("train/reference_served", 0.0))})
+                               "reference_served": float(m.get("train/reference_served", 0.0)),
+                               # several servers: the sequences each got this step (the mean over ranks)
+                               "server_sequences": [float(m[f"rollout/server_{i}_sequences"]) for i in range(8)
+                                                    if f"rollout/server_{i}_sequences" in m]})
             self.last = time.perf_counter()
 
     timeout = timedelta(seconds=600)
     fsdp2 = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)
     strategy = {"single": "auto", "ddp": DDPStrategy(process_group_backend="gloo", timeout=timeout),
-                "fsdp2": fsdp2, "server": fsdp2, "server1": "auto"}[layout]
+                "fsdp2": fsdp2, "server": fsdp2, "server1": "auto", "server2": fsdp2}[layout]
     # the server layouts: the ranks send their prompts to the project's rollout server, rank 0 pushes the weights
     engine = {"engine": "server", "max_staleness": args.max_staleness[0],
               "reference_on_server": args.reference_on_server,
-              "engine_options": {"url": os.environ["LIT_GRPO_BENCH_URL"], "timeout_s": 120,
+              "engine_options": {"urls": os.environ["LIT_GRPO_BENCH_URL"].split(","), "timeout_s": 120,
                                  "generate_timeout_s": 900}} if layout in SERVED else {}
     timer = Timer()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy,
@@ -157,12 +163,16 @@ def run_layout(layout: str, args: argparse.Namespace) -> list[dict]:
     from server_process import ServerProcess
 
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServerProcess(Path(tmp), model=args.model)  # one thread: it generates while the ranks wait
+        token = "b" * 32
+        # one thread each: a server generates while the ranks wait
+        servers = [ServerProcess(Path(tmp) / f"server{i}", model=args.model, token=token)
+                   for i in range(SERVERS[layout])]
         try:
-            url = server.wait_ready()
-            return run_ranks(layout, args, {"LIT_GRPO_BENCH_URL": url, "LIT_GRPO_SERVER_TOKEN": server.token})
+            urls = ",".join(server.wait_ready() for server in servers)
+            return run_ranks(layout, args, {"LIT_GRPO_BENCH_URL": urls, "LIT_GRPO_SERVER_TOKEN": token})
         finally:
-            server.kill()
+            for server in servers:
+                server.kill()
 
 
 def run_ranks(layout: str, args: argparse.Namespace, extra_env: dict[str, str]) -> list[dict]:
@@ -222,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                 ratio = f"  {med['total'] / synchronous:.2f}x K=0" if synchronous else ""
                 full = report["layouts"].get(name.replace(f"-lora{r}", "-full"), {}).get("median", {}).get("bytes")
                 share = f"  push {med['bytes'] / full:.2%} of full" if r and full else ""
+                sent = [sum(col) for col in zip(*(s["server_sequences"] for s in ranks[0]["steps"]))]
+                share += f"  sequences per server {sent}" if sent else ""
                 print(f"{name:16} {len(ranks):>5} {med['total']:>8.2f} {med['rollout']:>10.2f} {med['update']:>9.2f} "
                       f"{med['sync']:>7.3f} {med['bytes'] / 1e6:>10.2f} {rss:>24}{ratio}{share}", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,9 @@ trajectories that call the calculator, as JSON and one plot.
     OMP_NUM_THREADS=1 python experiments/demo_tools_seeds.py                # runs what is missing, then plots
     python experiments/demo_tools_seeds.py --plot-only
 
-Output in ``--out`` (default ``experiments/results/demo_tools``): ``seeds.json`` (every seed's ``eval/pass@1``,
-``eval/pass@4``, ``rollout/tool_calls`` and ``rollout/reward_mean`` by step, and each run's wall time) and
+Output in ``--out`` (default ``experiments/results/demo_tools``): ``seeds.json`` (the warm start's record, every
+seed's ``eval/pass@1``, ``eval/pass@4``, ``rollout/tool_calls`` and ``rollout/reward_mean`` by step, and each run's
+wall time) and
 ``demo_tools_cpu.png``. The runs themselves go under ``--runs`` (default ``runs/demo_tools_seeds``, not kept in git);
 a seed whose run finished is not run again.
 """
@@ -37,6 +38,18 @@ def run_seed(seed: int, runs: Path) -> float:
     seconds = time.perf_counter() - start
     (folder / "wall_seconds.txt").write_text(f"{seconds:.1f}\n")
     return seconds
+
+
+def warm_start_record() -> dict:
+    """Which calc-tiny-sft the runs start from: its cache key (config, data, torch, transformers, instruction set),
+    the instruction set, and the SHA-256 of its weights (``reproduce.py`` rebuilds it from the key)."""
+    import torch
+
+    from lit_grpo.training.warm_start import CALC_TINY_SFT, load_warm_started, weights_fingerprint
+
+    model, _ = load_warm_started(CALC_TINY_SFT)
+    return {"model": "calc-tiny-sft", "cache_key": CALC_TINY_SFT.key(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "fingerprint": weights_fingerprint(model)}
 
 
 def curves(folder: Path) -> dict[str, dict[int, float]]:
@@ -78,7 +91,7 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {}
+    results: dict = {"warm_start": warm_start_record()}
     for seed in args.seeds:
         folder = args.runs / f"seed{seed}"
         if not args.plot_only and not (folder / "wall_seconds.txt").exists():
@@ -87,8 +100,9 @@ def main() -> None:
         results[str(seed)] = {"curves": curves(folder),
                               "wall_seconds": float(wall.read_text()) if wall.exists() else None}
     (args.out / "seeds.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, args.out / "demo_tools_cpu.png")
-    for seed, record in results.items():
+    seeds = {seed: record for seed, record in results.items() if seed != "warm_start"}
+    plot(seeds, args.out / "demo_tools_cpu.png")
+    for seed, record in seeds.items():
         pass_at_1 = sorted(record["curves"]["eval/pass@1"].items())
         print(f"seed {seed}: Pass@1 " + ", ".join(f"{s}: {v:.3f}" for s, v in pass_at_1)
               + (f" ({record['wall_seconds']:.0f} s)" if record["wall_seconds"] else ""))

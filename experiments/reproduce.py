@@ -53,16 +53,9 @@ DEMO_TAGS = ("eval/pass@1", "eval/pass@8", "rollout/reward_mean")
 
 #: results made before a change that moves their numbers: the reason, and what re-measuring them costs
 STALE: dict[str, str] = {
-    "fig2_miniature": "made 2026-11-22, before the in-process engine's per-(row, position) sampling draws "
-                      "(2026-11-26); re-measure: python experiments/fig2_miniature.py, 39 runs, about 1.5 h on 2 cores "
-                      "(2 at a time, 3.1 h of runs)",
     "fig2_paper": "made 2026-11-23, before the in-process engine's per-(row, position) sampling draws (2026-11-26); "
                   "re-measure: python experiments/fig2_miniature.py --suite paper, 35 runs with a server each, "
                   "about 1 h on 2 cores (one run at a time, 53 min of runs)",
-    "demo_tools": "made 2026-11-26 with the current draws, from a calc-tiny-sft warm start its file does not "
-                  "record and torch 2.13 with transformers 5.24 on AVX-512 does not build (Pass@1 at step 0: "
-                  "0.1875 committed, 0.170 there); re-measure: "
-                  "python experiments/demo_tools_seeds.py, 3 runs of about 7 min and a 1600-step warm start",
     "corrections_study": "made 2026-11-26 07:03, before the in-process engine's per-(row, position) sampling draws "
                          "(11:03 that day); re-measure: python experiments/corrections_study.py, 87 runs, about "
                          "1 h on 2 cores (2 at a time, 3 h of runs)",
@@ -189,6 +182,7 @@ def tools_cell(steps: int = 10, seed: int = 0) -> Cell:
     expected = {tag: {int(s): float(v) for s, v in curves[tag].items()} for tag in tags}
     return Cell(TOOLS_CONFIG, seed, steps, ["--trainer.enable_progress_bar", "false"], expected,
                 ("eval/pass@1", "eval/pass@4"), {t: t for t in tags}, warm_start="calc",
+                warm_start_key=saved.get("warm_start", {}).get("cache_key"),
                 description=f"tool demo, seed {seed}, {steps} steps")
 
 

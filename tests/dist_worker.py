@@ -213,7 +213,8 @@ def run_job(job: dict, workdir: str) -> dict:
     data_cls = ScriptedData if job.get("scripted") else RealData
     data_kwargs = dict(job.get("data", {}))
     if job.get("server"):  # rollouts from a rollout server (tests/test_server_multiprocess.py)
-        wait_until_serving(job["server"]["url"])
+        for url in job["server"].get("urls") or [job["server"]["url"]]:
+            wait_until_serving(url)
         data_kwargs.update(engine="server", engine_options=dict(job["server"]))
     data = tiny_data(cls=data_cls, **data_kwargs)
     if "seed" in job:  # what the module draws at its start (a LoRA adapter's A) is then the same in every job

@@ -322,38 +322,53 @@ def test_a_fit_with_partial_rollouts_bounds_staleness_per_token_and_resumes_exac
         assert got[key] == pytest.approx(expected[key], abs=1e-6), key
 
 
-def test_a_keep_pause_parks_generations_a_swap_runs_past_them_and_an_abort_ends_a_parked_one():
-    from lit_grpo.serve.served_policy import ServedPolicy
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    """Two servers of the same tiny model, one token."""
+    root = tmp_path_factory.mktemp("two")
+    token = "k" * 32
+    processes = [ServerProcess(root / f"server{i}", token=token, port=free_port()) for i in range(2)]
+    try:
+        for process in processes:
+            process.wait_ready()
+        yield processes
+    finally:
+        for process in processes:
+            process.kill()
 
-    policy = ServedPolicy(torch.nn.Linear(2, 2))
-    policy.set_version("1")
-    went_on: list[str | None] = []
 
-    def generation() -> None:
-        with policy.generating() as (epoch, _):
-            while not policy.holding:  # decoding steps; the flag is checked between two of them
-                time.sleep(0.001)
-            went_on.append(policy.park(epoch))
-
-    worker = threading.Thread(target=generation)
-    worker.start()
-    while policy.in_flight == 0:  # the generation has started
-        time.sleep(0.001)
-    policy.pause(abort=False, keep=True)  # returns once the generation waits at its token boundary
-    assert policy.parked == 1 and policy.in_flight == 1 and policy.paused
-    with policy.swapped():  # a swap runs past a parked generation (it would wait for one that is not)
-        policy.weight_version = "2"
-    assert worker.is_alive() and not went_on  # still parked until /resume
-    policy.resume()
-    worker.join(5)
-    assert went_on == ["2"] and policy.in_flight == 0 and policy.parked == 0
-    # /pause?mode=abort while a generation is parked ends it: park says so (None), and the pause returns
-    worker = threading.Thread(target=generation)
-    worker.start()
-    while policy.in_flight == 0:  # the generation has started
-        time.sleep(0.001)
-    policy.pause(abort=False, keep=True)
-    policy.pause(abort=True)
-    worker.join(5)
-    assert went_on == ["2", None] and policy.in_flight == 0
-    policy.resume()
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_push_while_requests_are_in_flight_on_two_servers_labels_every_token_with_the_version_that_sampled_it(
+        two_servers, tiny, keep):
+    model, tokenizer, prompts = tiny
+    torch.set_num_threads(1)
+    engine = ServerEngine(urls=[s.url for s in two_servers], token=two_servers[0].token, bucket_mb=0.05,
+                          stop_token_ids=eos_token_ids(tokenizer, model))
+    if keep:
+        engine.keep_generating_through_pushes()
+    base = 10 if keep else 20
+    engine.load_weights(model.named_parameters(), base)
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(r=engine.request_rollouts(prompts, 4, LONG, 13)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not all(in_flight(s) for s in two_servers):  # one prompt per server: both are generating
+        assert thread.is_alive() and time.monotonic() < deadline, "the requests never reached both servers"
+        time.sleep(0.005)
+    time.sleep(0.05)
+    engine.load_weights(perturbed(model, 1).named_parameters(), base + 1)
+    pushed_while = thread.is_alive()
+    thread.join(120)
+    assert out["r"].error is None, out["r"].error
+    completions = [c for g in out["r"].groups for c in g]
+    old, new = str(base), str(base + 1)
+    for c in completions:
+        assert set(c.versions) <= {old, new} and c.token_ids  # none aborted or restarted empty
+        assert not c.span_lengths or sum(c.span_lengths) == len(c.token_ids)
+    if keep:  # the push did not wait: on each server, rows still running went on under the new version
+        assert pushed_while
+        for group in out["r"].groups:
+            assert any(c.versions == (old, new) for c in group), [c.versions for c in group]
+    else:  # the push waited for both requests: every token is the old version's
+        assert all(c.versions == (old,) for c in completions)
+    assert engine.weight_versions() == {s.url: new for s in two_servers}

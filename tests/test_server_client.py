@@ -22,7 +22,7 @@ def server(monkeypatch):
     completion, or a 500 when ``state["fail"]``."""
     state = {"fail": False, "threads": set()}
 
-    def request(self, method, path, body=None, query=None, timeout_s=None):  # noqa: ANN001, ANN202
+    def request(self, method, path, body=None, query=None, timeout_s=None, headers=None):  # noqa: ANN001, ANN202
         if path == "/weight_info":
             return {"dtypes": ["float32"], "transfer_group": True, "weight_version": "5"}
         assert path == "/v1/completions"
@@ -83,3 +83,20 @@ def test_a_version_the_trainer_did_not_push_is_an_error(server):
     engine.servers[0].expected_version = "4"
     rollouts = engine.request_rollouts([[1]], 1, SAMPLING, 3)
     assert "sampled with weight version ['5'], but this trainer pushed version '4'" in rollouts.error
+
+
+def test_a_completion_without_versions_is_refused_when_a_push_began_while_it_was_sampled():
+    from lit_grpo.engines.remote.client import ServerEngine
+    from lit_grpo.engines.remote.connection import ServerConnection
+    from lit_grpo.wire.protocol import ServerError
+
+    engine = ServerEngine.__new__(ServerEngine)  # only what reading an answer needs
+    engine.partial_rollouts, engine.pushes_started = False, 4
+    server = ServerConnection("http://127.0.0.1:9", None, 1.0)
+    server.expected_version = "7"
+    answer = {"choices": [{"index": 0, "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.1, -0.2]},
+                           "finish_reason": "stop"}], "weight_version": "7"}  # no weight_versions spans
+    (group,) = engine._groups(server, answer, 1, 1, pushes=4)  # no push began: the server's version labels it
+    assert group[0].versions == ("7",)
+    with pytest.raises(ServerError, match="began a weight push while they were sampled"):
+        engine._groups(server, answer, 1, 1, pushes=3)

@@ -131,7 +131,7 @@ def answering(monkeypatch):
     """Every HTTP call of the client succeeds (a server of float32 weights that has a transfer group)."""
     calls = []
 
-    def request(self, method, path, body=None, query=None, timeout_s=None):  # noqa: ANN001, ANN202
+    def request(self, method, path, body=None, query=None, timeout_s=None, headers=None):  # noqa: ANN001, ANN202
         calls.append((method, path))
         if path == "/weight_info":
             return {"dtypes": ["float32"], "transfer_group": True, "weight_version": "1"}

@@ -1,9 +1,10 @@
 """``python -m lit_grpo COMMAND ...``: which module runs a command, imported only once that command is chosen.
 
 ``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's (:func:`lit_grpo.cli.lightning_cli.train`;
-:mod:`lit_grpo.cli.lightning_cli` imports Lightning and the training stack). ``serve``, ``eval``, ``export``,
-``configs`` and ``plots`` are tools (:data:`TOOLS`), each a module with ``main(argv)`` that builds its argparse parser
-before it imports torch, so that their ``--help`` and a bad argument answer without loading the training stack.
+:mod:`lit_grpo.cli.lightning_cli` imports Lightning and the training stack). ``serve``, ``route``, ``eval``,
+``export``, ``configs`` and ``plots`` are tools (:data:`TOOLS`), each a module with ``main(argv)`` that builds its
+argparse parser before it imports torch, so that their ``--help`` and a bad argument answer without loading the
+training stack.
 :func:`main` is the one place that tells them apart (``lit_grpo.cli.lightning_cli``'s ``main`` and ``run`` are this
 module's), and answers ``python -m lit_grpo --help`` itself, from :data:`COMMANDS`, without importing torch.
 
@@ -27,7 +28,8 @@ DEBUG_ENV = "LIT_GRPO_DEBUG"
 
 #: subcommands that are not Trainer methods -> the module whose ``main(argv)`` runs them
 TOOLS: dict[str, str] = {"export": "lit_grpo.cli.export", "eval": "lit_grpo.cli.eval",
-                         "serve": "lit_grpo.cli.serve", "configs": "lit_grpo.cli.configs",
+                         "serve": "lit_grpo.cli.serve", "route": "lit_grpo.cli.route",
+                         "configs": "lit_grpo.cli.configs",
                          "plots": "lit_grpo.cli.plots"}
 #: every other subcommand (fit, validate, test, predict) and no subcommand at all: LightningCLI, through the
 #: ``train(args)`` of this module
@@ -40,6 +42,7 @@ COMMANDS: dict[str, str] = {
     "test": "Pass@k of the `eval` section on the test split, for the model or a --ckpt_path checkpoint",
     "predict": "sample completions of the `predictions` section's prompts, with their rewards, into a JSONL file",
     "serve": "run a rollout server, which a trainer with data.engine server samples from",
+    "route": "run vllm-router in front of several rollout servers (sticky sessions, authenticated routes)",
     "eval": "Pass@k of a model or of a checkpoint's policy, without a config",
     "export": "write a checkpoint's policy (or a model alias) as a Hugging Face model directory",
     "configs": "list the shipped configs, or print one (python -m lit_grpo configs NAME > my.yaml)",

@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=Limits.max_tokens, help="new tokens per completion")
     parser.add_argument("--no-buffer-reuse", action="store_true",
                         help="allocate fresh receive buffers for every push (default on CPU: keep two sets)")
-    parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="log every request to stderr (with its X-Session-ID when a router sent it)")
     parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
                         help="seconds a client has, from connecting, to send its whole request; a slower one is "
                              f"dropped (default {DEFAULT_READ_TIMEOUT_S:g}; a generation may take longer)")
@@ -43,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="connections served at once (a thread each); one more is answered 503 and closed "
                              f"(default {DEFAULT_MAX_CONNECTIONS})")
     parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
-                        help="sequences of a request decoding at once: a finished one's slot takes the next waiting "
-                             "one (default: all of them at once; finished ones leave the batch either way)")
+                        help="sequences decoding at once in the server's one decode loop, across the requests in "
+                             "flight: a finished one's slot takes the next waiting one (default: all of them at once; "
+                             "finished ones leave the batch either way)")
     return parser
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from functools import partial
@@ -402,16 +402,22 @@ class RolloutDataModule(L.LightningDataModule):
         collective: a remote engine's ranks agree later)."""
         if self.trajectories is not None:  # whole trajectories, turn by turn, through the same requests
             # colocated vLLM in sleep mode stays awake across the turns: its KV cache holds the prefixes they reuse
+            # a remote engine keeps each group's turns on one server (sticky sessions over several servers)
+            release = self.rollout_engine.release_sessions if isinstance(self.rollout_engine, RemoteEngine) else None
             with getattr(self.rollout_engine, "awake", nullcontext)():
                 return self.trajectories.run([self.rows[r] for r in rows], self.num_generations, self.engine_request,
-                                             self.sampling, seed)
+                                             self.sampling, seed, release=release)
         return self.engine_request([self.prompt_ids(r) for r in rows], self.num_generations, self.sampling, seed)
 
-    def engine_request(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> Rollouts:
-        """``n`` completions per tokenized prompt from the rollout engine, as ``Rollouts`` (no collective)."""
+    def engine_request(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int,
+                       sessions: list[Hashable] | None = None) -> Rollouts:
+        """``n`` completions per tokenized prompt from the rollout engine, as ``Rollouts`` (no collective);
+        ``sessions``: each prompt's multi-turn session, for a remote engine's routing."""
         engine = self.rollout_engine
         with self.precision_context():
             if isinstance(engine, RemoteEngine):
+                if sessions is not None:
+                    return engine.request_rollouts(prompts, n, sampling, seed=seed, sessions=sessions)
                 return engine.request_rollouts(prompts, n, sampling, seed=seed)
             return Rollouts(engine.generate(prompts, n, sampling, seed=seed))
 
@@ -518,6 +524,9 @@ class RolloutDataModule(L.LightningDataModule):
         timings = {"rollout_seconds": time.perf_counter() - start, "generate_seconds": generate_seconds,
                    **({"reference_seconds": rollouts.reference_seconds} if self.scores_reference else {}),
                    **(self.rollout_engine.kept_weights_stats() if kept else {})}
+        routing = getattr(self.rollout_engine, "routing_stats", None)  # several servers: the sequences each was sent
+        if routing is not None:
+            stats = {**routing(), **stats}
         origin = BatchOrigin(
             batch_index=prompt_batch.batch_index, rollout_step=sampled_step, alpha_logp=alpha,
             alpha_source=alpha_source,

@@ -19,8 +19,9 @@ without a tool call ends the trajectory (``data.rewards`` then score the final a
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +39,10 @@ from lit_grpo.environments.tool_calls import ToolCall, ToolCallError, ToolCallPa
 from lit_grpo.environments.tools import ToolBox, ToolOutcome, check_tool_runner
 
 #: how a sampling request is made: ``(prompts, n, sampling, seed) -> Rollouts`` (an engine's generate, or a remote
-#: engine's request: no collective)
-Sample = Callable[[list[list[int]], int, SamplingConfig, int], Rollouts]
+#: engine's request: no collective); with sessions (``run``'s ``release``), also ``sessions=``: each prompt's session
+Sample = Callable[..., Rollouts]
+#: forgets sessions whose trajectories all ended (a remote engine's ``release_sessions``)
+Release = Callable[[list[Hashable]], None]
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,7 @@ class TrajectoryRunner:
         self.renderer = renderer
         self.options = options
         self.mismatch_warned = False
+        self._sessions = itertools.count()  # a session per group of trajectories, unique in this process
 
     # ---- the first prompt ---------------------------------------------------------------------------
     def start(self, row: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
@@ -205,15 +209,34 @@ class TrajectoryRunner:
 
     # ---- sampling -----------------------------------------------------------------------------------
     def run(self, rows: list[dict[str, Any]], n: int, sample: Sample, sampling: SamplingConfig, seed: int,
-            keep_going: Callable[[bool], bool] | None = None) -> Rollouts:
+            keep_going: Callable[[bool], bool] | None = None, release: Release | None = None) -> Rollouts:
         """``n`` trajectories of each row's task, as ``Rollouts`` (groups in row order); a failed request ends
         every trajectory and comes back as ``Rollouts.error``.
 
         ``keep_going(any_running)`` makes ranks that sample with a sharded policy (FSDP: every forward is a
         collective) take their turns together: a turn runs while any rank has a trajectory running, and a rank with
-        none samples its first prompt again and discards it."""
+        none samples its first prompt again and discards it.
+
+        ``release`` (an engine that routes sessions over several servers): each group of trajectories is a session,
+        named in every request (``sample(..., sessions=)``), so all the turns of its trajectories go to one server;
+        it is released once its last trajectory ends."""
         groups: list[list[Trajectory]] = []
         prompts: list[list[int]] = []
+        sessions: list[Hashable] = []
+        open_sessions: set[Hashable] = set()
+
+        def request(texts: list[list[int]], count: int, turn_seed_: int, names: list[Hashable]) -> Rollouts:
+            if release is None:
+                return sample(texts, count, sampling, turn_seed_)
+            open_sessions.update(names)
+            return sample(texts, count, sampling, turn_seed_, sessions=names)
+
+        def release_ended() -> None:
+            ended = [s for s, g in zip(sessions, groups) if s in open_sessions and not any(t.running for t in g)]
+            if ended and release is not None:
+                open_sessions.difference_update(ended)
+                release(ended)
+
         try:
             for row in rows:
                 group: list[Trajectory] = []
@@ -231,26 +254,32 @@ class TrajectoryRunner:
                         else self.first_prompt(row, environment, messages)
                     group.append(Trajectory(environment, ids, list(messages), text, messages=list(messages)))
                 prompts.append(group[0].prompt_ids)
-            first = sample(prompts, n, sampling, seed)
+                sessions.append(next(self._sessions))
+            first = request(prompts, n, seed, sessions)
             if first.error is not None:
                 return first
             self.answer_all([pair for group, completions in zip(groups, first.groups)
                              for pair in zip(group, completions)])
+            release_ended()
             turn = 1
             while True:
-                running = [t for g in groups for t in g if t.running]
+                running = [(t, s) for g, s in zip(groups, sessions) for t in g if t.running]
                 if not (keep_going(bool(running)) if keep_going is not None else running):
                     break
-                if not running:  # in step with the ranks still sampling
+                if not running:  # in step with the ranks still sampling (a throwaway turn: no session)
                     sample(prompts[:1], 1, sampling, turn_seed(seed, turn))
                     turn += 1
                     continue
-                rollouts = sample([t.prompt_ids + t.token_ids for t in running], 1, sampling, turn_seed(seed, turn))
+                rollouts = request([t.prompt_ids + t.token_ids for t, _ in running], 1, turn_seed(seed, turn),
+                                   [s for _, s in running])
                 if rollouts.error is not None:
                     return rollouts
-                self.answer_all([(t, c) for t, (c,) in zip(running, rollouts.groups)])
+                self.answer_all([(t, c) for (t, _), (c,) in zip(running, rollouts.groups)])
+                release_ended()
                 turn += 1
         finally:
+            if release is not None and open_sessions:  # a failed turn or environment: nothing goes on
+                release(sorted(open_sessions))
             for trajectory in (t for g in groups for t in g):
                 close(trajectory.environment)
         return Rollouts([[t.completion() for t in g] for g in groups], reference=None)

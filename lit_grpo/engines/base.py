@@ -21,7 +21,7 @@ lives elsewhere, scores pi_ref or takes adapters); nothing else of it is read.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -139,8 +139,14 @@ class RemoteEngine(RolloutEngine):
     before_push: list[Callable[[], None]]
 
     @abstractmethod
-    def request_rollouts(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> Rollouts:
-        """This rank's request, no torch.distributed call; a failed request comes back as ``Rollouts.error``."""
+    def request_rollouts(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int,
+                         sessions: Sequence[Hashable] | None = None) -> Rollouts:
+        """This rank's request, no torch.distributed call; a failed request comes back as ``Rollouts.error``.
+        ``sessions``: the multi-turn session of each prompt, for engines that keep a session on one server
+        (``ServerEngine``); the caller releases them (``release_sessions``) when they end."""
+
+    def release_sessions(self, sessions: Iterable[Hashable]) -> None:
+        """Forget ``sessions`` (their trajectories ended). Engines without sessions have nothing to forget."""
 
     @abstractmethod
     def check_lockstep(self, rollouts: Rollouts) -> list[list[Completion]]:

@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from lit_grpo.engines.kv_cache import PreallocatedLayer
+from lit_grpo.math.logprobs import selective_log_softmax
 
 #: rebuild the running batch once at least this fraction of its rows has finished (and at least one row): on the
 #: uneven benchmark (lengths 16..512, 64 rows, the tiny model on one shared CPU thread) 1/8 was the fastest of 0, 1/8,
@@ -26,6 +27,29 @@ from lit_grpo.engines.kv_cache import PreallocatedLayer
 REBUILD_FRACTION = 0.125
 #: the cache layers a rebuild knows how to copy (plain growing ones, and the engine's preallocated ones)
 REBUILDABLE_LAYERS = (DynamicLayer, PreallocatedLayer)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set to -inf the logits outside the smallest set whose probability reaches ``top_p`` (nucleus)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample_step(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor,
+                finished: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step of the running rows: each row's token, drawn from ``softmax(top_p(logits / T))`` at its
+    uniform (:func:`sample_with_uniforms`), ``pad`` for a row that ``finished`` already, and the token's log-prob
+    under ``log_softmax(logits / T)`` (the sampler's mu: before the nucleus cut, as vLLM's ``processed_logprobs``).
+    The in-process engine and the rollout server's decode loop both step with it."""
+    scaled = logits.float() / temperature
+    probs = torch.softmax(top_p_filter(scaled, top_p), dim=-1)
+    sampled = torch.where(finished, pad, sample_with_uniforms(probs, uniforms))
+    return sampled, selective_log_softmax(scaled, sampled)
 
 
 def sample_with_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -102,7 +102,13 @@ class ServerOptions:
 
     Args:
         url: one server (``http://HOST:PORT``); give exactly one of ``url`` and ``urls``.
-        urls: several servers: each step's prompts are spread over them; weights go to all.
+        urls: several servers: each step's prompts are spread over them; weights go to all. A multi-turn
+            trajectory's group is a session: its first turn goes to the server with the fewest sequences of running
+            sessions, its later turns to the same server.
+        router_url: a router in front of the servers of ``url``/``urls`` (``vllm-router --policy
+            sticky_least_loaded``, docs/rollout-server.md): completions go through it, one request per session (per
+            prompt in single-turn rollouts) named in ``X-Session-ID`` and released with its ``/finish_session``;
+            weight pushes, pause and resume still go to every server directly.
         token: the servers' bearer token; default ``$LIT_GRPO_SERVER_TOKEN``. Prefer the environment or
             ``token_file``: a config's values are saved with the run.
         token_file: a file holding the token.
@@ -152,6 +158,7 @@ class ServerOptions:
 
     url: str | None = None
     urls: list[str] | None = None
+    router_url: str | None = None
     token: str | None = None
     token_file: str | None = None
     timeout_s: float = 60.0

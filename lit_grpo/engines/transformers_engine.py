@@ -25,12 +25,12 @@ from lit_grpo.engines.continuous_batching import (
     rebuild_cache,
     rebuild_due,
     rebuildable,
-    sample_with_uniforms,
+    sample_step,
+    top_p_filter,  # noqa: F401 (importable from here, as before the decode step moved)
 )
 from lit_grpo.engines.kv_cache import preallocate
 from lit_grpo.engines.options import SAMPLER_AUTOCAST, check_max_num_seqs
 from lit_grpo.engines.static_decoding import StaticDecoder
-from lit_grpo.math.logprobs import selective_log_softmax
 from lit_grpo.models.copies import materialize, skeleton_copy
 
 log = logging.getLogger(__name__)
@@ -45,17 +45,6 @@ def _check_request(prompts: list[list[int]], n: int) -> None:
         raise ValueError(f"n must be >= 1, got {n}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-
-
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Set to -inf the logits outside the smallest set whose probability reaches ``top_p`` (nucleus)."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 class TransformersEngine(RolloutEngine):
@@ -313,13 +302,12 @@ class TransformersEngine(RolloutEngine):
         counts = torch.zeros(cap, dtype=torch.long, device=device)
         steps = 0
         while True:
-            scaled = logits.float() / sampling.temperature
-            probs = torch.softmax(top_p_filter(scaled, sampling.top_p), dim=-1)
             draws = uniforms[rows, counts.clamp(max=max_new - 1)]
-            sampled = torch.where(finished, self.pad_token_id, sample_with_uniforms(probs, draws))
+            sampled, logps = sample_step(logits, sampling.temperature, sampling.top_p, draws, finished,
+                                         self.pad_token_id)
             column = torch.where(finished, max_new, counts)
             out_tokens[rows, column] = sampled
-            out_logps[rows, column] = selective_log_softmax(scaled, sampled)
+            out_logps[rows, column] = logps
             live = ~finished
             counts = counts + live.long()
             hit = live & torch.isin(sampled, eos)

@@ -1,5 +1,6 @@
-"""The rollout server's generation backend: ``/v1/completions`` served by the transformers engine, and the pause
-that keeps generation and a weight swap apart (``/pause``, ``/resume``, ``/is_paused``).
+"""The rollout server's generation routes: ``/v1/completions`` served by the server's one decode loop
+(``serve.scheduler``), and the pause that keeps generation and a weight swap apart (``/pause``, ``/resume``,
+``/is_paused``).
 
 ``/pause?mode=keep`` (partial rollouts) stops the generations in flight at a token boundary instead of waiting for
 them or aborting them: a weight swap then runs while they wait, and after ``/resume`` they go on under the new
@@ -19,20 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lit_grpo.serve.scheduler import DecodeScheduler, SamplingKey, Starts
 from lit_grpo.serve.served_policy import ServedPolicy
 from lit_grpo.wire.protocol import CompletionRequest, HTTPFailure, Limits, parse_completion_request
 
 #: ``/pause``'s modes: end the generations in flight, wait for them, or keep them at a token boundary (vLLM's three)
 PAUSE_MODES = ("abort", "wait", "keep")
-
-
-class Aborted(Exception):
-    """A generation stopped by ``/pause?mode=abort``."""
-
-
-#: the versions a request went on with, and for each the token at which each of its rows took it up (row
-#: ``p * n + j``; ``None``: every row from its first token, the version the request started under)
-Starts = list[tuple[str | None, list[int] | None]]
 
 
 def make_version_spans(starts: Starts, row: int, length: int) -> list[dict]:
@@ -48,9 +41,11 @@ def make_version_spans(starts: Starts, row: int, length: int) -> list[dict]:
 
 @dataclass(eq=False)
 class GenerationRoutes:
-    """The generation and pause routes of ``RolloutServer``: completions sampled from ``policy``'s model (each one a
-    generation of ``ServedPolicy.generating``, so a weight swap waits for it), stopped at ``eos`` and the request's
-    stop ids, padded with ``pad``, within ``limits``."""
+    """The generation and pause routes of ``RolloutServer``: completions sampled from ``policy``'s model by the
+    server's one decode loop (``scheduler``, a ``DecodeScheduler``: concurrent requests share its running batch, at
+    most ``max_num_seqs`` rows at once), stopped at ``eos`` and the request's stop ids, padded with ``pad``, within
+    ``limits``. Each request is a generation of ``ServedPolicy.generating`` for as long as the loop holds it, so a
+    weight swap waits for it or for its park."""
 
     policy: ServedPolicy
     tokenizer: Any
@@ -59,8 +54,11 @@ class GenerationRoutes:
     eos: list[int]
     pad: int
     vocab_size: int
-    #: sequences of a request decoding at once (``TransformersEngine.max_num_seqs``; None: all)
+    #: rows decoding at once across the requests in flight (``--max-num-seqs``; None: all)
     max_num_seqs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.scheduler = DecodeScheduler(self.policy, self.pad, self.max_num_seqs)
 
     def handlers(self) -> dict[str, Callable[[dict, dict], dict]]:
         """Its routes' handlers by the names ``lit_grpo.wire.protocol.ROUTES`` gives them."""
@@ -70,39 +68,17 @@ class GenerationRoutes:
     def health(self, body: dict, query: dict) -> dict:
         return {}
 
-    def _between_steps(self, epoch: int, done: bool, starts: Starts, engine: Any) -> bool:
-        """The decode loop's hook, once per decoding step: an abort ends the generation; a ``keep`` pause parks it
-        here (one flag check per token otherwise). When it goes on under another version, each row's next token is
-        the new version's first: the engine's ``decoded_lengths`` say which (0 for a row not admitted yet, under
-        ``max_num_seqs``; a finished row's length, so none of its tokens)."""
-        if self.policy.abort_epoch != epoch:
-            raise Aborted
-        if self.policy.holding:
-            version = self.policy.park(epoch)
-            if self.policy.abort_epoch != epoch:
-                raise Aborted
-            if version != starts[-1][0]:
-                starts.append((version, engine.decoded_lengths.tolist()))
-        return done
-
     def completions(self, body: dict, query: dict) -> dict:
-        from lit_grpo.engines.base import SamplingConfig
-        from lit_grpo.engines.transformers_engine import TransformersEngine
-
         request = parse_completion_request(body, self.limits, self.vocab_size)
-        sampling = SamplingConfig(max_new_tokens=request.max_tokens, temperature=request.temperature,
-                                  top_p=request.top_p)
-        stops = sorted(set(self.eos) | set(request.stop_token_ids))
-        engine = TransformersEngine(self.policy.model, stops, self.pad, copy_weights=False, rescore=False,
-                                    max_num_seqs=self.max_num_seqs)
+        key = SamplingKey(float(request.temperature), float(request.top_p),
+                          tuple(sorted(set(self.eos) | set(request.stop_token_ids))))
         with self.policy.generating() as (epoch, version):
-            starts: Starts = [(version, None)]
-            try:
-                groups = engine.generate(request.prompts, request.n, sampling, request.seed,
-                                         all_finished=lambda done: self._between_steps(epoch, done, starts, engine))
-            except Aborted:
-                raise HTTPFailure(503, "generation aborted by /pause; retry after /resume") from None
-        return self._completion_response(request, groups, starts)
+            ticket = self.scheduler.submit(request.prompts, request.n, request.max_tokens, request.seed, key, epoch,
+                                           version)
+            ticket.done.wait()
+        if ticket.failure is not None:
+            raise HTTPFailure(*ticket.failure)
+        return self._completion_response(request, ticket.completions(), ticket.starts)
 
     def _completion_response(self, request: CompletionRequest, groups: list, starts: Starts) -> dict:
         choices, completion_tokens = [], 0

@@ -7,10 +7,10 @@ stops new generations (503 until ``/resume``) and, in mode ``abort``, ends the r
 steps (``abort_epoch``). torch is not imported here.
 
 Mode ``keep`` (partial rollouts, ``data.partial_rollouts``) does neither: the running generations stop at their next
-token boundary (``park``, called between two decoding steps) and wait there, holding their KV caches; the pause
-returns once every generation in flight is parked, a swap may then run (it waits for the generations that are not
-parked only), and ``/resume`` lets them go on under the new weights. ``park`` returns the version they go on with, so
-a generation knows from which token on its tokens are the new version's.
+token boundary and wait there, holding their KV caches (the decode loop parks, counting the requests it holds in
+``parked``: ``DecodeScheduler._park`` in ``serve.scheduler``); the pause returns once every generation in flight is
+parked, a swap may then run (it waits for the generations that are not parked only), and ``/resume`` lets them go on
+under the new weights, from the token each row had reached.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ class ServedPolicy:
         self.swapping = False
         self.abort_epoch = 0
         #: a ``keep`` pause is on: generations in flight stop at their next token boundary (read without the lock
-        #: once per token by ``park``'s caller: a flag check)
+        #: once per decoding step by the decode loop: a flag check)
         self.holding = False
-        self.parked = 0  # generations in flight waiting in ``park``
+        self.parked = 0  # generations in flight parked by the decode loop (``DecodeScheduler._park``)
         self.weight_version: str | None = None
 
     @contextmanager
@@ -72,9 +72,9 @@ class ServedPolicy:
         """Refuse new generations; ``abort`` ends the running ones at their next step; return once none runs. From
         then until ``resume`` no generation runs: one still waiting for a swap to end is refused when it wakes.
 
-        ``keep``: the running generations stop at their next token boundary instead (``park``) and the pause returns
-        once every one of them waits there; ``resume`` lets them go on. A later pause of another mode ends the keep:
-        parked generations go on, and ``wait`` waits for them to end."""
+        ``keep``: the running generations stop at their next token boundary instead (the decode loop parks) and the
+        pause returns once every one of them waits there; ``resume`` lets them go on. A later pause of another mode
+        ends the keep: parked generations go on, and ``wait`` waits for them to end."""
         if abort and keep:
             raise ValueError("a pause either aborts or keeps the generations in flight, not both")
         with self.cond:
@@ -91,20 +91,6 @@ class ServedPolicy:
             self.paused = False
             self.holding = False
             self.cond.notify_all()
-
-    def park(self, epoch: int) -> str | None:
-        """Called by a generation between two decoding steps while ``holding``: wait until the keep pause ends and
-        no swap runs. Returns the weight version the generation goes on with, or ``None`` when ``/pause?mode=abort``
-        ended it meanwhile (``abort_epoch`` moved past ``epoch``)."""
-        with self.cond:
-            self.parked += 1
-            self.cond.notify_all()  # the pause waits for every generation in flight to park
-            try:
-                while (self.holding or self.swapping) and self.abort_epoch == epoch:
-                    self.cond.wait()
-            finally:
-                self.parked -= 1
-            return None if self.abort_epoch != epoch else self.weight_version
 
     @contextmanager
     def swapped(self) -> Iterator[None]:

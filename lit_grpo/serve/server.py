@@ -163,6 +163,12 @@ def make_http_server(server: RolloutServer, host: str, port: int, log_requests: 
             if log_requests:
                 super().log_message(format, *args)
 
+        def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+            # a request sent through a router names its multi-turn session: which server took which session
+            session = self.headers.get("X-Session-ID") if self.headers is not None else None
+            suffix = f" session={session}" if session else ""
+            self.log_message('"%s" %s %s%s', self.requestline, str(code), str(size), suffix)
+
     return BoundedHTTPServer((host, port), Handler, read_timeout_s, max_connections)
 
 

@@ -52,6 +52,9 @@ IGNORED_FIELDS = {"model", "user", "request_id", "skip_special_tokens", "spaces_
                   "include_stop_str_in_output", "detokenize", "priority"}
 HANDLED_FIELDS = {"prompt", "n", "seed", "temperature", "top_p", "max_tokens", "logprobs", "return_token_ids",
                   "return_weight_versions", "return_tokens_as_token_ids", "stop_token_ids", "stream", "echo", "stop"}
+#: flags that this server takes when false (or null) only: ``vllm-router`` 0.1.17 writes every one of them, false,
+#: into each completion request it forwards, beside ``stream`` and ``echo``
+OFF_FLAGS = ("stream", "echo", "ignore_eos", "no_stop_trim", "return_hidden_states")
 #: vLLM's sampling fields beyond temperature and top_p that a model's generation config can fill when a request
 #: leaves them unset (vLLM 0.32/0.33 ``ModelConfig.get_diff_sampling_param``), each at its neutral value: the one
 #: that leaves ``softmax(logits / T)`` unchanged (``top_k`` 0: no cut). Trainers send all of them
@@ -172,7 +175,7 @@ def flag_field(body: dict, key: str) -> bool:
 
 def parse_completion_request(body: dict, limits: Limits, vocab_size: int) -> CompletionRequest:
     """Check a ``/v1/completions`` body against what this server implements and its limits (400 otherwise)."""
-    unknown = sorted(set(body) - HANDLED_FIELDS - IGNORED_FIELDS - set(NEUTRAL_SAMPLING_FIELDS))
+    unknown = sorted(set(body) - HANDLED_FIELDS - set(OFF_FLAGS) - IGNORED_FIELDS - set(NEUTRAL_SAMPLING_FIELDS))
     if unknown:
         raise HTTPFailure(400, f"unsupported fields {unknown}: this server implements {sorted(HANDLED_FIELDS)}")
     for key, neutral in NEUTRAL_SAMPLING_FIELDS.items():
@@ -180,7 +183,7 @@ def parse_completion_request(body: dict, limits: Limits, vocab_size: int) -> Com
         if value is not None and (isinstance(value, bool) or value != neutral):
             raise HTTPFailure(400, f"unsupported value {key}={value!r}: this server samples softmax(logits / "
                                    f"temperature) with top_p only, so {key} must be {neutral} or absent")
-    for key in ("stream", "echo"):
+    for key in OFF_FLAGS:
         if flag_field(body, key):
             raise HTTPFailure(400, f"{key}=true is not supported by this server")
     if body.get("stop") not in (None, [], ""):
@@ -251,12 +254,12 @@ class HTTPClient:
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def _send(self, method: str, path: str, body: dict | None, query: dict | None,
-              timeout_s: float | None) -> tuple[bytes, str]:
+              timeout_s: float | None, extra_headers: dict[str, str] | None = None) -> tuple[bytes, str]:
         """The answer's bytes and ``where`` (server, method, route: what every message names)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         target = self.url + path + (f"?{urlencode(query)}" if query else "")
         data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **(extra_headers or {})}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         request = urllib.request.Request(target, data=data, headers=headers, method=method)
@@ -271,9 +274,9 @@ class HTTPClient:
             raise ServerError(f"{where} failed: {reason} (timeout {timeout:g} s)") from None
 
     def request(self, method: str, path: str, body: dict | None = None, query: dict | None = None,
-                timeout_s: float | None = None) -> dict:
-        """The JSON answer (``{}`` for an empty one)."""
-        raw, where = self._send(method, path, body, query, timeout_s)
+                timeout_s: float | None = None, headers: dict[str, str] | None = None) -> dict:
+        """The JSON answer (``{}`` for an empty one); ``headers``: sent besides the token's (a session's id)."""
+        raw, where = self._send(method, path, body, query, timeout_s, headers)
         if not raw:
             return {}
         try:

@@ -25,12 +25,13 @@ Generation is two steps (``RemoteEngine``), so that a background thread can run 
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -49,9 +50,10 @@ from lit_grpo.engines.base import (
     ScoringLayout,
 )
 from lit_grpo.engines.options import ServerOptions
-from lit_grpo.engines.remote.connection import ServerConnection
+from lit_grpo.engines.remote.connection import RouterConnection, ServerConnection
 from lit_grpo.engines.remote.kept_weights import LORA_SPEC_KEY, MERGES_KEY, KeptWeights
 from lit_grpo.engines.remote.reference_client import ReferenceClient
+from lit_grpo.engines.remote.session_routing import SessionRouter, spread_stats
 from lit_grpo.engines.remote.weight_push import WeightPusher
 from lit_grpo.engines.sampling_fields import vllm_sampling_fields
 from lit_grpo.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV, find_token
@@ -100,6 +102,15 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         self.stop_token_ids = sorted({int(t) for t in stops}) if stops is not None else []
         self.lockstep = bool(options.lockstep)
         self.servers = [ServerConnection(u, token, self.timeout_s) for u in urls]
+        #: where completions go through when a router fronts the servers (``router_url``); pushes go to each server
+        self.router = (RouterConnection(options.router_url, token, self.timeout_s, self.servers)
+                       if options.router_url is not None else None)
+        if self.router is not None:  # it answers, and takes this token (lit_grpo route checks it on every route)
+            self.router.client.text("GET", "/health")
+        #: without a router: which server each multi-turn session's turns go to (sticky, least-loaded)
+        self.sessions = SessionRouter(len(self.servers), first=rank_and_world()[0])
+        #: a router's session ids: unique across the ranks and runs that share it
+        self.session_prefix = f"{secrets.token_hex(4)}-r{rank_and_world()[0]}"
         self.synced_step = 0
         self.reference_version: str | None = None  # the label of the pi_ref pushed to the servers
         self.serves_reference = bool(serves_reference)
@@ -107,6 +118,8 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         self.before_push: list[Callable[[], None]] = []
         #: partial rollouts (``keep_generating_through_pushes``): a push keeps the generations in flight
         self.partial_rollouts = False
+        #: pushes begun so far: a completion that reports no version is labelled only if none began while it ran
+        self.pushes_started = 0
         self.pusher = WeightPusher(self.servers, options, self._server_dtype(options.dtype), policy)
         self.reference = ReferenceClient(self.servers[0], self.generate_timeout_s)
         self._merges_applied: int | None = None  # asked of the servers at the first LoRA push
@@ -184,6 +197,7 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
     def _pushing(self, step: int) -> None:
         """Record the version a push is about to write: with partial rollouts a completion can carry it before the
         push has returned (its request went on under it right after the swap)."""
+        self.pushes_started += 1
         for server in self.servers:
             server.pushed_versions.add(str(int(step)))
 
@@ -321,17 +335,23 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
                                     self.reference_version)
 
     # ---- generation ---------------------------------------------------------------------------------
-    def request_rollouts(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> Rollouts:
+    def request_rollouts(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int,
+                         sessions: Sequence[Hashable] | None = None) -> Rollouts:
         """This rank's completion requests, HTTP only: no torch.distributed call, so it is safe on a background
         thread. The prompts are spread over the servers in contiguous chunks, one request per chunk, sent in
-        parallel. Bad arguments raise ``ValueError`` at once; a failed request (``ServerError``, or an odd answer)
-        comes back as ``Rollouts.error``, for ``check_lockstep`` to share with the other ranks."""
+        parallel; with ``sessions`` (the multi-turn session of each prompt) each prompt goes to its session's
+        server instead (``SessionRouter``: a new session to the least-loaded one, a known one where it started).
+        Bad arguments raise ``ValueError`` at once; a failed request (``ServerError``, or an odd answer) comes back
+        as ``Rollouts.error``, for ``check_lockstep`` to share with the other ranks."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"sessions must name one session per prompt, got {len(sessions)} for {len(prompts)} "
+                             "prompts")
         try:
-            return Rollouts(self._generate(prompts, n, sampling, seed))
+            return Rollouts(self._generate(prompts, n, sampling, seed, sessions))
         except ServerError as err:
             return Rollouts(None, str(err))
         except Exception as err:  # noqa: BLE001 (an odd answer: still stop every rank together)
@@ -350,38 +370,89 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
             raise ServerError(error)
         return rollouts.groups  # type: ignore[return-value]
 
-    def _requests(self, prompts: list[list[int]], n: int, seed: int) -> list[tuple[ServerConnection, list[int], int]]:
-        """``(server, prompt indices, seed)`` per request. The project's server takes one request per server
-        (a contiguous chunk of prompts, seeded as one ``TransformersEngine.generate`` call: with one server the
-        rollouts equal the in-process engine's). vLLM gets one request per prompt (``vllm_requests``)."""
+    def release_sessions(self, sessions: Iterable[Hashable]) -> None:
+        """The sessions' trajectories ended: their servers take new sessions in their place (``SessionRouter``, or
+        the router's ``POST /finish_session``; a router that misses one expires it after its TTL)."""
+        if self.router is None:
+            self.sessions.release(sessions)
+            return
+        for session in sessions:
+            try:
+                self.router.client.post("/finish_session", query={"session_id": self.session_id(session)})
+            except ServerError as err:
+                warnings.warn(f"the router did not release a session ({err}); it expires at the router's TTL",
+                              stacklevel=2)
+                return
+
+    def session_id(self, session: Hashable) -> str:
+        """A session's id at the router (``X-Session-ID``): unique across the ranks and runs that share it."""
+        return f"{self.session_prefix}-{session}"
+
+    def routing_stats(self) -> dict[str, float]:
+        """With several servers and no router, the sequences sent to each since the last call, and the busiest
+        server's share over the mean (``session_routing.spread_stats``); nothing with one server or a router (its
+        own metrics say where it sent them)."""
+        sent = self.sessions.take_sent()
+        return spread_stats(sent) if len(self.servers) > 1 and self.router is None else {}
+
+    def _requests(self, prompts: list[list[int]], n: int, seed: int,
+                  sessions: Sequence[Hashable] | None = None) -> list[Request]:
+        """The requests of one call. The project's server takes one request per server (a contiguous chunk of
+        prompts, seeded as one ``TransformersEngine.generate`` call: with one server the rollouts equal the
+        in-process engine's; with ``sessions``, the prompts of each server's sessions, in their order). vLLM gets
+        one request per prompt (``vllm_requests``). Through a router, one request per session (per prompt without
+        sessions), named in its ``X-Session-ID``, each seeded as vLLM's prompts are."""
+        if self.router is not None:
+            return self._router_requests(prompts, n, seed, sessions)
+        if sessions is not None:
+            chosen = self.sessions.route(sessions, [n] * len(prompts))
+        else:  # contiguous runs, one per server (at most one per prompt), from this rank's own first server
+            chosen = contiguous_runs(len(prompts), len(self.servers), self.kind, rank_and_world()[0])
+            for server in chosen:
+                self.sessions.count_sent(server, n)
         if self.kind == "vllm":
             from lit_grpo.engines.remote.vllm_client import vllm_requests
 
-            return vllm_requests(self.servers, prompts, n, seed)
-        chunks = min(len(self.servers), len(prompts))
+            return [Request(server, indices, s) for server, indices, s in
+                    vllm_requests(self.servers, prompts, n, seed, chosen)]
         out = []
-        for c in range(chunks):
-            indices = list(range(c * len(prompts) // chunks, (c + 1) * len(prompts) // chunks))
+        # seeded by the chunk's place in the call, not by its server: which server takes it changes nothing
+        for c, server in enumerate(dict.fromkeys(chosen)):
+            indices = [p for p, s in enumerate(chosen) if s == server]
             chunk_seed = int(seed) if c == 0 else (int(seed) * CHUNK_SEED_STRIDE + c) % SEED_MODULUS
-            out.append((self.servers[c], indices, chunk_seed % 2**63))
+            out.append(Request(self.servers[server], indices, chunk_seed % 2**63))
         return out
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
-                  seed: int) -> list[list[Completion]]:
+    def _router_requests(self, prompts: list[list[int]], n: int, seed: int,
+                         sessions: Sequence[Hashable] | None) -> list[Request]:
+        """Through a router: one request per session, or per prompt without sessions, seeded as vLLM's prompts are
+        (``prompt_seed`` of its first prompt), so that no two share a seed whatever server answers."""
+        from lit_grpo.engines.vllm_engine import prompt_seed
+
+        keys: list[Hashable] = list(sessions) if sessions is not None else list(range(len(prompts)))
+        order: dict[Hashable, list[int]] = {}
+        for p, key in enumerate(keys):
+            order.setdefault(key, []).append(p)
+        return [Request(self.router, indices, prompt_seed(seed, indices[0], n) % 2**63,
+                        self.session_id(key) if sessions is not None else None)
+                for key, indices in order.items()]
+
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int,
+                  sessions: Sequence[Hashable] | None = None) -> list[list[Completion]]:
         if not prompts:
             return []
-        requests = self._requests(prompts, n, seed)
+        requests = self._requests(prompts, n, seed, sessions)
         results: list[list[Completion] | None] = [None] * len(prompts)
         with ThreadPoolExecutor(max_workers=min(32, len(requests))) as pool:
-            futures = [pool.submit(self._complete, server, [prompts[i] for i in indices], n, sampling, s)
-                       for server, indices, s in requests]
-            for (_, indices, _), future in zip(requests, futures):
-                for i, group in zip(indices, future.result()):
+            futures = [pool.submit(self._complete, r.server, [prompts[i] for i in r.indices], n, sampling, r.seed,
+                                   r.session) for r in requests]
+            for request, future in zip(requests, futures):
+                for i, group in zip(request.indices, future.result()):
                     results[i] = group
         return results  # type: ignore[return-value]
 
-    def _complete(self, server: ServerConnection, prompts: list[list[int]], n: int, sampling: SamplingConfig,
-                  seed: int) -> list[list[Completion]]:
+    def _complete(self, server: ServerConnection | RouterConnection, prompts: list[list[int]], n: int,
+                  sampling: SamplingConfig, seed: int, session: str | None = None) -> list[list[Completion]]:
         # every sampling field is explicit: vllm serve fills the ones a request leaves unset from the model's
         # generation config (lit_grpo.engines.sampling_fields); the project's server ignores the extra ones
         body = {"prompt": [[int(t) for t in p] for p in prompts], "n": n, "seed": int(seed),
@@ -394,9 +465,11 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
             body["model"] = adapter[0]
         deadline = time.monotonic() + self.generate_timeout_s
         wait = 0.1
+        pushes = self.pushes_started  # before the request is admitted: see _groups
         while True:
             try:
-                response = server.client.post("/v1/completions", body, timeout_s=self.generate_timeout_s)
+                response = server.client.post("/v1/completions", body, timeout_s=self.generate_timeout_s,
+                                              headers={"X-Session-ID": session} if session is not None else None)
                 break
             except ServerError as err:
                 if err.status != 503 or time.monotonic() + wait > deadline:
@@ -407,9 +480,14 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
             from lit_grpo.engines.remote.vllm_client import with_adapter_versions
 
             response = with_adapter_versions(response, adapter[1])
-        return self._groups(server, response, len(prompts), n)
+        return self._groups(server, response, len(prompts), n, pushes)
 
-    def _groups(self, server: ServerConnection, response: dict, num_prompts: int, n: int) -> list[list[Completion]]:
+    def _groups(self, server: ServerConnection | RouterConnection, response: dict, num_prompts: int, n: int,
+                pushes: int | None = None) -> list[list[Completion]]:
+        """The completions of ``response``, each labelled with the versions that sampled its tokens. A server that
+        labels none (no ``weight_versions``) is asked for its version after the answer, which names the sampler
+        only if no push of this trainer began since the request was sent (``pushes``: the count then), so
+        such an answer is refused when one did."""
         where = f"rollout server {server.url}"
         choices = response.get("choices")
         if not isinstance(choices, list) or len(choices) != num_prompts * n:
@@ -435,8 +513,16 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
                                           truncated=c.get("finish_reason") == "length", versions=labels,
                                           span_lengths=lengths))
         if unknown:
-            version = (version_text(response["weight_version"]) if "weight_version" in response
-                       else version_text(server.client.get("/weight_info").get("weight_version")))
+            if pushes is not None and pushes != self.pushes_started:
+                raise ServerError(f"{where} labelled its completions with no weight version (weight_versions) and "
+                                  "this trainer began a weight push while they were sampled, so which version "
+                                  "sampled them is unknown; the project's server and vLLM 0.33 label every token")
+            if "weight_version" in response:
+                version = version_text(response["weight_version"])
+            elif isinstance(server, RouterConnection):  # the router does not say which server answered
+                version = server.expected_version
+            else:
+                version = version_text(server.client.get("/weight_info").get("weight_version"))
             versions.add(version)
             completions = [c if c.versions else replace(c, versions=(version,)) for c in completions]
         expected = server.expected_version
@@ -497,6 +583,30 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         update = AdapterUpdate(spec=json.loads(spec), merges=tuple(entries[self.merges_applied:]), adapter=state,
                                base_hash=base_hash(policy), step=int(step))
         self.load_adapter(update, step)
+
+
+class Request(NamedTuple):
+    """One completion request of a call: where it goes, which of the call's prompts, its seed, and the session id
+    a router keeps on one server (``X-Session-ID``)."""
+
+    server: ServerConnection | RouterConnection
+    indices: list[int]
+    seed: int
+    session: str | None = None
+
+
+def contiguous_runs(prompts: int, servers: int, kind: str, first: int = 0) -> list[int]:
+    """The chunk of each of ``prompts`` prompts spread over ``servers`` in contiguous runs: for the project's
+    server, chunk ``c`` holds prompts ``c * P // k`` up to ``(c + 1) * P // k`` (``k = min(servers, P)``); for vLLM,
+    prompt ``p`` is in chunk ``p * servers // P``. Chunk ``c`` goes to server ``(first + c) % servers``: each rank
+    starts at a server of its own (``first`` = its rank), so ranks with fewer prompts than servers do not all send
+    to the first one."""
+    if kind == "vllm":
+        chunks = [p * servers // prompts for p in range(prompts)]
+    else:
+        k = min(servers, prompts)
+        chunks = [c for c in range(k) for _ in range(c * prompts // k, (c + 1) * prompts // k)]
+    return [(first + c) % servers for c in chunks]
 
 
 def read_version_spans(spans: Any, length: int, where: str) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -1,6 +1,7 @@
 """`ServerConnection`: the trainer's link to one rollout server: its HTTP client, the weight version this trainer last
 pushed to it, and, on rank 0, the weight-transfer group (project's server) or vLLM's trainer side. The client engine,
-the push and the pi_ref client each use the connections ``ServerEngine`` holds."""
+the push and the pi_ref client each use the connections ``ServerEngine`` holds. `RouterConnection`: the link to a
+router in front of them (``router_url``), which completions go through."""
 
 from __future__ import annotations
 
@@ -55,3 +56,26 @@ class ServerConnection:
             except Exception as err:  # noqa: BLE001 (called after a failed push, whose error is the one to raise)
                 warnings.warn(f"rollout server {self.url}: shutting down vLLM's weight-transfer engine failed: {err}",
                               stacklevel=2)
+
+
+class RouterConnection:
+    """A router in front of ``servers`` (``vllm-router``; ``ServerOptions.router_url``): completions go through it
+    and any of the servers may answer, so the version a completion must carry is the one this trainer pushed to
+    every server (``None`` while they differ: a push failed on some), and any version it began to push to them."""
+
+    def __init__(self, url: str, token: str | None, timeout_s: float, servers: list[ServerConnection]) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"router_url must look like http://HOST:PORT, got {url!r}")
+        self.url = url.rstrip("/")
+        self.client = HTTPClient(url, token, timeout_s)
+        self.servers = servers
+
+    @property
+    def expected_version(self) -> str | None:
+        versions = {s.expected_version for s in self.servers}
+        return versions.pop() if len(versions) == 1 else None
+
+    @property
+    def pushed_versions(self) -> set[str]:
+        return set().union(*(s.pushed_versions for s in self.servers))

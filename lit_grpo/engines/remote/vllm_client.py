@@ -39,13 +39,13 @@ def vllm_dtype(servers: list[ServerConnection], requested: str | None) -> torch.
     return dtype_from_name(requested or DEFAULT_DTYPE)
 
 
-def vllm_requests(servers: list[ServerConnection], prompts: list[list[int]], n: int,
-                  seed: int) -> list[tuple[ServerConnection, list[int], int]]:
-    """``(server, [prompt index], seed)`` per prompt, the prompts spread over the servers in contiguous runs."""
+def vllm_requests(servers: list[ServerConnection], prompts: list[list[int]], n: int, seed: int,
+                  chosen: list[int]) -> list[tuple[ServerConnection, list[int], int]]:
+    """``(server, [prompt index], seed)`` per prompt, prompt ``p`` sent to server ``chosen[p]`` (contiguous runs,
+    or its session's server)."""
     from lit_grpo.engines.vllm_engine import prompt_seed
 
-    k = len(servers)
-    return [(servers[p * k // len(prompts)], [p], prompt_seed(seed, p, n)) for p in range(len(prompts))]
+    return [(servers[chosen[p]], [p], prompt_seed(seed, p, n)) for p in range(len(prompts))]
 
 
 def vllm_parts(server: ServerConnection, options: ServerOptions, dtype: torch.dtype,
