@@ -56,9 +56,6 @@ STALE: dict[str, str] = {
     "fig2_paper": "made 2026-11-23, before the in-process engine's per-(row, position) sampling draws (2026-11-26); "
                   "re-measure: python experiments/fig2_miniature.py --suite paper, 35 runs with a server each, "
                   "about 1 h on 2 cores (one run at a time, 53 min of runs)",
-    "corrections_study": "made 2026-11-26 07:03, before the in-process engine's per-(row, position) sampling draws "
-                         "(11:03 that day); re-measure: python experiments/corrections_study.py, 87 runs, about "
-                         "1 h on 2 cores (2 at a time, 3 h of runs)",
 }
 
 
