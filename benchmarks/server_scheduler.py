@@ -27,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -60,11 +59,10 @@ def start_server(tree: Path, model: str, threads: int, max_num_seqs: int | None,
 
 
 def post(url: str, token: str, body: dict) -> dict:
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(request, timeout=3600) as response:
-        return json.loads(response.read())
+    """One completion request, with the trainer's own HTTP client."""
+    from lit_grpo.wire.protocol import HTTPClient
+
+    return HTTPClient(url, token, 3600).post("/v1/completions", body)
 
 
 def prompts(model: str, count: int, ranks: int) -> list[list[list[int]]]:

@@ -75,16 +75,20 @@ class RouteProcess:
                                       str(self.port), "--metrics-port", str(metrics)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
 
-    def call(self, path: str, token: str | None, method: str = "GET") -> int:
+    def answer(self, path: str, token: str | None, method: str = "GET") -> tuple[int, bytes]:
+        """``(status, body)`` of one request (``token`` None: no Authorization header)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         request = urllib.request.Request(self.url + path, headers=headers, method=method,
                                          data=b"" if method == "POST" else None)
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         try:
             with opener.open(request, timeout=10) as response:
-                return response.status
+                return response.status, response.read()
         except urllib.error.HTTPError as err:
-            return err.code
+            return err.code, err.read()
+
+    def call(self, path: str, token: str | None, method: str = "GET") -> int:
+        return self.answer(path, token, method)[0]
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -93,7 +97,7 @@ class RouteProcess:
             try:
                 if self.call("/health", TOKEN) == 200:
                     return
-            except OSError:
+            except OSError:  # not listening yet: poll again below
                 pass
             assert time.monotonic() < deadline, "the router did not start"
             time.sleep(0.5)
@@ -191,5 +195,8 @@ def test_through_the_router_every_session_stays_on_one_server_and_is_finished(ro
 def test_the_router_refuses_a_request_without_the_servers_token(routed):
     _, _, _, router = routed
     assert router.call("/health", None) == 401
+    workers = router.answer("/list_workers", TOKEN)
+    assert workers[0] == 200
     assert router.call("/add_worker?url=http://127.0.0.1:9", "x" * 32, method="POST") == 401
-    assert router.call("/list_workers", TOKEN) == 200
+    assert router.call("/remove_worker?url=" + json.loads(workers[1])["urls"][0], None, method="POST") == 401
+    assert router.answer("/list_workers", TOKEN) == workers  # the refused requests changed nothing
