@@ -406,14 +406,20 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
 
         setattr(trainer, name, wrapper)
 
+    rows = args.prompts * args.generations
+    per_pass = getattr(args, "trl_micro_batch_size", None) or rows
+    if rows % per_pass:
+        raise SystemExit(f"TRL's rows per pass must divide the batch's {rows} rows, got {per_pass}")
+    passes = rows // per_pass
     with tempfile.TemporaryDirectory() as workdir:
         config = GRPOConfig(
             output_dir=workdir,
             use_cpu=not on_cuda(args), bf16=args.precision == "bf16-mixed", fp16=args.precision == "16-mixed",
             use_vllm=False, gradient_checkpointing=False,
-            # one generation batch of prompts x G completions per optimizer step, trained in a single pass
-            per_device_train_batch_size=args.prompts * args.generations, gradient_accumulation_steps=1,
-            steps_per_generation=1, num_generations=args.generations, num_iterations=1,
+            # one generation batch of prompts x G completions per optimizer step, trained in one pass, or in
+            # accumulated passes of `trl_micro_batch_size` rows where a caller sets it (memory)
+            per_device_train_batch_size=per_pass, gradient_accumulation_steps=passes,
+            steps_per_generation=passes, num_generations=args.generations, num_iterations=1,
             max_completion_length=args.max_new_tokens, temperature=args.temperature, top_p=1.0,
             beta=args.beta, epsilon=0.2, loss_type="dapo", scale_rewards="group", disable_dropout=True,
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,

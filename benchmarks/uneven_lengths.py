@@ -14,6 +14,19 @@ Completions whose lengths spread from a few tokens to the budget (512 new tokens
 The prompts, the model settings (float32, beta 0.1, AdamW lr 1e-6, clipping 1.0, one update per batch) and TRL's
 configuration are those of ``benchmarks/step_time.py``, whose helpers this script imports.
 
+Same lengths on every side (``--lengths schedule``)
+--------------------------------------------------
+Sampled lengths differ from side to side (each side draws its own tokens), so at 1 prompt x 8 the sides once
+generated 824, 1,529 and 2,192 tokens and their step times could not be compared. With ``--lengths schedule`` no side
+samples: each replays completions fixed by :func:`scheduled_completion`, keyed on the prompt's token ids and the
+row within its group (a geometric length of rate ``--eos-rate`` capped at ``--max-new-tokens``, ending in EOS below
+the cap; token ids drawn from the same key). Every side then updates on the same tokens. Ours replays them from the
+in-process engine (``TransformersEngine._generate`` replaced, its sampler log-probs computed by one no-grad padded
+pass of the engine's model); TRL from ``GRPOTrainer._generate_single_turn`` (rows are its prompts repeated G times
+in a row, as its sampler lays them out). The reward is the coin reward on both models (the replayed text answers
+nothing). A step then times the update and the step's bookkeeping, not generation (``generate`` is the replay's
+own time). ``--lengths natural`` samples as before.
+
 The sides
 ---------
 Each side runs in its own subprocess, one after the other, in one invocation:
@@ -21,7 +34,11 @@ Each side runs in its own subprocess, one after the other, in one invocation:
 * ``ours``: this working tree, ``lightning.Trainer.fit`` of ``GRPOModule`` + ``RolloutDataModule`` with the
   in-process engine; ``--ours-args data.micro_batch_tokens=4096 model.x=y`` overrides the constructor arguments
   of the data module (``data.``) and of the module (``model.``), dotted keys reaching into dicts and dataclasses,
-  values read as YAML;
+  values read as YAML (for every ``ours`` side);
+* ``ours-tree``: the same with ``model.packing`` and a budget of ``--packed-tokens`` tokens a micro-batch: each
+  micro-batch one packed row laid out as a prefix tree, each group's prompt once (``lit_grpo.core.prefix_tree``);
+* ``ours-copies``: the same packing in the layout before the tree, each completion after its own copy of its prompt
+  (``lit_grpo.core.packing``; forced by replacing ``packed_layout_kind``);
 * ``main``: the same side code run on a ``git worktree`` of ``--ref`` (default ``e635164``), its ``lit_grpo``
   first on the worker's path;
 * ``trl``: ``step_time.run_trl`` (TRL's ``GRPOTrainer``, no vLLM), with its scored batches recorded.
@@ -38,8 +55,9 @@ What it measures, per measured step
   backward, optimizer step);
 * ``padded_fraction``: padded positions / positions the update's forwards process. Ours: over
   ``RolloutBatch.micro_batches()``, each micro-batch running its distinct prompts ``[u, P']`` once and its
-  completions ``[s, C' - 1]`` (``lit_grpo.core.scoring``); the module's own ``train/padded_fraction`` is kept
-  beside it when it logs one. TRL: its scored batch ``[B, P + C]``, every prompt once per completion;
+  completions ``[s, C' - 1]`` (``lit_grpo.core.scoring``), replaced by the module's own ``train/padded_fraction``
+  when it logs one (0 for the packed sides). TRL: its scored batch ``[B, P + C]``, every prompt once per
+  completion;
 * completion lengths (all of them, for the histogram, and min / median / mean / max);
 * asynchronous runs: ``push_wait_s``, the seconds the weight push waited for the producer to drain (the hooks the
   push runs first, ``RemoteEngine.before_push``, timed by a callback), and ``rollout/trainer_wait_seconds``.
@@ -62,12 +80,14 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +110,9 @@ OUTPUT_DIR = REPO_ROOT / "benchmarks" / "results" / "uneven"
 RESULT_MARKER = "UNEVEN_RESULT "
 DEFAULT_REF = "e635164"
 MODELS = ("smollm2", "random")
-SIDES = ("ours", "main", "trl")
+SIDES = ("ours", "ours-tree", "ours-copies", "main", "trl")
+#: the constructor overrides each packed side adds (before ``--ours-args``); its budget is ``--packed-tokens``
+PACKED_SIDES = {"ours-tree": "packed_tree", "ours-copies": "packed"}
 ASYNC_SIDES = ("ours", "main")
 REWARDS = {"smollm2": "correctness", "random": "benchmarks.coin_reward:coin"}
 
@@ -103,8 +125,14 @@ REWARDS = {"smollm2": "correctness", "random": "benchmarks.coin_reward:coin"}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="workloads to run")
-    parser.add_argument("--sides", nargs="*", choices=SIDES, default=list(SIDES), help="synchronous sides")
-    parser.add_argument("--async-sides", nargs="*", choices=ASYNC_SIDES, default=list(ASYNC_SIDES),
+    parser.add_argument("--sides", nargs="*", choices=SIDES, default=["ours", "ours-tree", "ours-copies", "trl"],
+                        help="synchronous sides")
+    parser.add_argument("--lengths", choices=("schedule", "natural"), default="schedule",
+                        help="schedule: every side replays the same completions (scheduled_completion); natural: "
+                             "each side samples its own")
+    parser.add_argument("--packed-tokens", type=int, default=4096,
+                        help="data.micro_batch_tokens of the packed sides (ours-tree, ours-copies)")
+    parser.add_argument("--async-sides", nargs="*", choices=ASYNC_SIDES, default=[],
                         help="sides also run at data.max_staleness=1 against the project's server")
     parser.add_argument("--ref", default=DEFAULT_REF, help="git ref of the 'main' side")
     parser.add_argument("--ours-args", nargs="*", default=[],
@@ -116,6 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="completion length budget")
     parser.add_argument("--micro-batch-size", type=int, default=16, help="completions per forward (ours, main)")
+    parser.add_argument("--trl-micro-batch-size", type=int, default=None,
+                        help="TRL's rows per forward (per_device_train_batch_size, the rest accumulated); default: "
+                             "the whole batch in one")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads per side")
     parser.add_argument("--eos-rate", type=float, default=1 / 150, help="the random model's p(EOS) per token")
     parser.add_argument("--random-model", type=Path, default=None,
@@ -135,6 +166,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     if not 0.0 < args.eos_rate < 1.0:
         parser.error(f"--eos-rate must be a probability in (0, 1), got {args.eos_rate}")
+    if args.lengths == "schedule" and (args.async_sides or "main" in args.sides):
+        parser.error("--lengths schedule replays completions in this tree's engine and TRL's: it runs the "
+                     "synchronous sides ours, ours-tree, ours-copies and trl; got "
+                     f"--sides {' '.join(args.sides)} --async-sides {' '.join(args.async_sides)}")
+    if args.packed_tokens < 1:
+        parser.error(f"--packed-tokens must be >= 1, got {args.packed_tokens}")
     for item in args.ours_args:
         parse_override(item)  # a malformed one fails here, before any side runs
     # what step_time's helpers read
@@ -208,6 +245,82 @@ def histogram(lengths: list[int], budget: int, bins: int = 16) -> dict[str, list
     for n in lengths:
         counts[min(n // width, bins - 1)] += 1
     return {"edges": [float(i * width) for i in range(bins + 1)], "counts": [float(c) for c in counts]}
+
+
+def scheduled_completion(prompt: Sequence[int], row: int, budget: int, rate: float, low: int, vocab: int,
+                         eos: int) -> list[int]:
+    """The completion every side replays as row ``row`` of ``prompt``'s group (``--lengths schedule``): its length
+    the position of the first EOS when each token is EOS with probability ``rate`` (geometric), capped at ``budget``
+    tokens (then no EOS: truncated); its other tokens uniform over ``[low, vocab)`` (above the special tokens). All
+    drawn from a generator keyed on the prompt's token ids and the row, so no side's sampling enters."""
+    key = zlib.crc32(",".join(map(str, prompt)).encode())
+    rng = random.Random(key * 1_000_003 + row)
+    length = 1
+    while length < budget and rng.random() >= rate:
+        length += 1
+    ended = length < budget or rng.random() < rate
+    tokens = [rng.randrange(low, vocab) for _ in range(length - 1)]
+    return tokens + [eos if ended else rng.randrange(low, vocab)]
+
+
+def replay_tokens(model_name: str) -> tuple[int, int, int]:
+    """``(low, vocab, eos)`` of :func:`scheduled_completion` for this model's tokenizer, the same on every side: the
+    first id above every special token (replayed text carries no chat markers), the vocabulary size, and the first
+    end-of-sequence id both engines stop at."""
+    from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(model_name, "float32")
+    return max(tokenizer.all_special_ids, default=-1) + 1, len(tokenizer), min(eos_token_ids(tokenizer, model))
+
+
+def replay_in_ours(args: argparse.Namespace, low: int, vocab: int, eos: int) -> None:
+    """``TransformersEngine`` replays :func:`scheduled_completion` instead of sampling; the sampler's log-probs are
+    the engine model's, from one no-grad padded pass (what the rollouts would carry had it sampled them)."""
+    from lit_grpo.core.batch import left_pad, micro_batch_views
+    from lit_grpo.core.scoring import completion_logprobs
+    from lit_grpo.engines.base import Completion
+    from lit_grpo.engines.transformers_engine import TransformersEngine
+
+    def replay(self: Any, prompts: list[list[int]], n: int, sampling: Any, seed: int, *rest: Any) -> Any:
+        import torch
+
+        if eos not in self.eos_token_ids:
+            raise SystemExit(f"the replay's EOS {eos} is not one the engine stops at ({self.eos_token_ids})")
+        rows = [scheduled_completion(p, j, sampling.max_new_tokens, args.eos_rate, low, vocab, eos)
+                for p in prompts for j in range(n)]
+        device = self.device
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, device)
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for i, tokens in enumerate(rows):
+            ids[i, : len(tokens)] = torch.tensor(tokens, device=device)
+            mask[i, : len(tokens)] = 1
+        groups = torch.arange(len(prompts), device=device).repeat_interleave(n)
+        (mb,) = micro_batch_views(prompt_ids, prompt_mask, groups, ids, mask, len(rows))
+        logps = completion_logprobs(self.model, mb, sampling.temperature)[0].tolist()
+        out = [Completion(tokens, logps[i][: len(tokens)], truncated=tokens[-1] != eos)
+               for i, tokens in enumerate(rows)]
+        return [out[p * n: (p + 1) * n] for p in range(len(prompts))]
+
+    TransformersEngine._generate = replay
+    TransformersEngine._generate_static = replay
+
+
+def replay_in_trl(args: argparse.Namespace, low: int, vocab: int, eos: int) -> None:
+    """TRL's ``_generate_single_turn`` replays :func:`scheduled_completion`: its rows are its prompts, each repeated
+    G times in a row (its ``RepeatSampler``), so row ``b`` is completion ``b % G`` of its prompt."""
+    from trl import GRPOTrainer
+
+    def replay(self: Any, prompt_ids: list[list[int]], images: Any, multimodal_fields: Any, num_generations: int,
+               has_tool_images: bool = False) -> tuple[list[list[int]], None]:
+        if eos not in self.eos_token_ids:
+            raise SystemExit(f"the replay's EOS {eos} is not one TRL stops at ({self.eos_token_ids})")
+        rows = [scheduled_completion(list(p), b % num_generations, args.max_new_tokens, args.eos_rate, low, vocab,
+                                     eos) for b, p in enumerate(prompt_ids)]
+        return rows, None
+
+    GRPOTrainer._generate_single_turn = replay
 
 
 def matmul_flops_per_s(size: int, repeats: int = 5) -> float:
@@ -335,6 +448,8 @@ def run_lit(args: argparse.Namespace) -> dict[str, Any]:
                 "reward_mean": metric(m, "rollout/reward_mean"),
                 **lit_batch_stats(batch),
             }
+            if step["module_padded_fraction"] is not None:  # what the module fed: 0 when packed
+                step["padded_fraction"] = step["module_padded_fraction"]
             self.steps.append({**step, **step_rates(step)})
             self.push_wait = None if self.push_wait is None else 0.0
             self.last_end = now
@@ -355,8 +470,10 @@ def run_lit(args: argparse.Namespace) -> dict[str, Any]:
     if args.mode == "async":
         data_kwargs.update(engine="server", max_staleness=1, engine_options={
             "url": os.environ["UNEVEN_SERVER_URL"], "timeout_s": 120, "generate_timeout_s": 1800})
-    if args.side == "ours":
-        module_kwargs, data_kwargs = apply_overrides(module_kwargs, data_kwargs, args.ours_args)
+    if args.side.startswith("ours"):
+        packed = [f"data.micro_batch_tokens={args.packed_tokens}", "model.packing=true"]
+        module_kwargs, data_kwargs = apply_overrides(
+            module_kwargs, data_kwargs, (packed if args.side in PACKED_SIDES else []) + list(args.ours_args))
     module = GRPOModule(**module_kwargs)
     data = RolloutDataModule(**data_kwargs)
     recorder = Recorder()  # after WeightSync: each step's time includes its weight push
@@ -371,6 +488,7 @@ def run_lit(args: argparse.Namespace) -> dict[str, Any]:
         fit_seconds = clock() - start
     parameters = sum(p.numel() for p in module.policy.parameters())
     return {"prompt_rows": indices, "fit_seconds": fit_seconds, "parameters": parameters,
+            "micro_batch_layout": module.micro_batch_layout,
             "module_kwargs": {k: repr(v) for k, v in module_kwargs.items()},
             "data_kwargs": {k: repr(v) for k, v in data_kwargs.items()},
             "warmup_steps": recorder.steps[: args.warmup], "measured_steps": recorder.steps[args.warmup:]}
@@ -419,6 +537,13 @@ def worker(args: argparse.Namespace) -> None:
     import lit_grpo
 
     torch.set_num_threads(args.threads)
+    if args.lengths == "schedule":
+        spec = replay_tokens(args.model)
+        replay_in_trl(args, *spec) if args.side == "trl" else replay_in_ours(args, *spec)
+    if args.side == "ours-copies":
+        from benchmarks.packing import force_copies_layout
+
+        force_copies_layout()
     source = Path(lit_grpo.__file__).resolve().parents[1]
     if args.tree is not None and source != args.tree.resolve():
         raise SystemExit(f"the main side imported lit_grpo from {source}, expected {args.tree}")
@@ -436,11 +561,14 @@ def worker_command(args: argparse.Namespace, side: str, mode: str, model: str, r
         "--model", model, "--reward", reward, "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--prompts", str(args.prompts), "--generations", str(args.generations),
         "--max-new-tokens", str(args.max_new_tokens), "--micro-batch-size", str(args.micro_batch_size),
-        "--threads", str(args.threads),
+        "--threads", str(args.threads), "--lengths", args.lengths, "--eos-rate", repr(args.eos_rate),
+        "--packed-tokens", str(args.packed_tokens),
     ]
+    if args.trl_micro_batch_size is not None:
+        command += ["--trl-micro-batch-size", str(args.trl_micro_batch_size)]
     if tree is not None:
         command += ["--tree", str(tree)]
-    if side == "ours" and args.ours_args:
+    if side.startswith("ours") and args.ours_args:
         command += ["--ours-args", *args.ours_args]
     return command
 
@@ -518,6 +646,19 @@ def summarize_side(result: dict[str, Any], flops_per_s: float, beta: float) -> d
             "update_fraction_of_limit": limit_s / median["update"] if median["update"] else None}
 
 
+def lengths_agree(sides: dict[str, Any]) -> dict[str, bool]:
+    """Per side, whether every step (warm-up included) had the completion lengths of the first side's step, as a
+    multiset (rows may come in another order): what ``--lengths schedule`` promises."""
+    def per_step(run: dict[str, Any]) -> list[list[int]]:
+        return [sorted(step["lengths"]) for step in run.get("warmup_steps", []) + run.get("measured_steps", [])]
+
+    runs = {name: per_step(run) for name, run in sides.items() if "error" not in run}
+    if not runs:
+        return {}
+    first = next(iter(runs.values()))
+    return {name: steps == first for name, steps in runs.items()}
+
+
 def plot(report: dict[str, Any], path: Path) -> str:
     """Bars of the side-by-side medians, one panel per quantity; returns what was written or why not."""
     try:
@@ -539,8 +680,9 @@ def plot(report: dict[str, Any], path: Path) -> str:
                 value = run.get("summary", {}).get("median", {}).get(key)
                 labels.append(f"{model}\n{name}")
                 values.append(value or 0.0)
-        ax.bar(range(len(values)), values, color=["C0" if "ours" in lb else "C1" if "main" in lb else "C2"
-                                                  for lb in labels])
+        colours = {"ours-tree": "C0", "ours-copies": "C3", "ours": "C4", "main": "C1", "trl": "C2"}
+        ax.bar(range(len(values)), values,
+               color=[next((c for side, c in colours.items() if f"\n{side}" in lb), "C7") for lb in labels])
         ax.set_xticks(range(len(values)), labels, rotation=60, ha="right", fontsize=7)
         ax.set_title(title, fontsize=9)
         if not values:
@@ -597,7 +739,8 @@ def main(argv: list[str] | None = None) -> None:
                 runs[model_key] = {}
                 plan = [(s, "sync") for s in args.sides] + [(s, "async") for s in args.async_sides]
                 for side, mode in plan:
-                    result = run_side(args, side, mode, models[model_key], REWARDS[model_key],
+                    reward = "benchmarks.coin_reward:coin" if args.lengths == "schedule" else REWARDS[model_key]
+                    result = run_side(args, side, mode, models[model_key], reward,
                                       tree if side == "main" else None)
                     if "error" not in result:
                         result["summary"] = summarize_side(result, flops_per_s, args.beta)
@@ -615,8 +758,10 @@ def main(argv: list[str] | None = None) -> None:
                    if k not in ("worker", "side", "mode", "model", "reward", "tree")},
         "models": models, "main_commit": ref.stdout.strip(), "ours_head": head.stdout.strip(),
         "matmul_fp32_flops_per_s": flops_per_s, "versions": versions(), "runs": runs,
+        "same_lengths": {model_key: lengths_agree(run) for model_key, run in runs.items()},
     }
     print_table(report)
+    print(f"same completion lengths as the first side, every step: {report['same_lengths']}")
     for model_key, run in runs.items():
         for name, side in run.items():
             if "summary" in side and side["summary"]:

@@ -52,11 +52,7 @@ X86_CAPABILITIES = ("AVX512", "AVX2", "DEFAULT")
 DEMO_TAGS = ("eval/pass@1", "eval/pass@8", "rollout/reward_mean")
 
 #: results made before a change that moves their numbers: the reason, and what re-measuring them costs
-STALE: dict[str, str] = {
-    "fig2_paper": "made 2026-11-23, before the in-process engine's per-(row, position) sampling draws (2026-11-26); "
-                  "re-measure: python experiments/fig2_miniature.py --suite paper, 35 runs with a server each, "
-                  "about 1 h on 2 cores (one run at a time, 53 min of runs)",
-}
+STALE: dict[str, str] = {}
 
 
 @dataclass

@@ -13,7 +13,16 @@ from dist_worker import run_job
 from test_multiprocess import equality_job
 
 from lit_grpo.core.batch import micro_batch_views, padding_tokens
-from lit_grpo.core.micro_batch_plan import length_order, packed_tokens, padded_tokens, plan_by_tokens, split_into
+from lit_grpo.core.micro_batch_plan import (
+    LAYOUTS,
+    micro_batch_cost,
+    packed_tokens,
+    padded_tokens,
+    plan_by_tokens,
+    plan_order,
+    split_into,
+    tree_tokens,
+)
 from lit_grpo.core.packing import packed_token_count
 
 
@@ -24,10 +33,8 @@ def random_rows(seed: int, rows: int) -> tuple[list[int], list[int], list[int]]:
     return [rng.randint(1, 30) for _ in range(rows)], [prompt_of_group[g] for g in groups], groups
 
 
-def cost(rows: list[int], c: list[int], p: list[int], g: list[int], packed: bool = False) -> int:
-    if packed:
-        return packed_tokens([c[r] for r in rows], [p[r] for r in rows])
-    return padded_tokens([c[r] for r in rows], [p[r] for r in rows], [g[r] for r in rows])
+def cost(rows: list[int], c: list[int], p: list[int], g: list[int], layout: str = "padded") -> int:
+    return micro_batch_cost([c[r] for r in rows], [p[r] for r in rows], [g[r] for r in rows], layout)
 
 
 def contiguous_cuts(order: list[int]):
@@ -55,45 +62,45 @@ def test_packed_tokens_counts_each_row_with_its_own_prompt_and_no_padding():
     assert packed_tokens([], []) == 0
 
 
-def least_cost_by_brute_force(c: list[int], p: list[int], g: list[int], budget: int, packed: bool
+def least_cost_by_brute_force(c: list[int], p: list[int], g: list[int], budget: int, layout: str
                               ) -> tuple[int, int]:
     """The least (total cost, micro-batches) over every contiguous cut of the sorted rows in which each run is
     within the budget or a single row."""
-    return min((sum(cost(run, c, p, g, packed) for run in cuts), len(cuts))
-               for cuts in contiguous_cuts(length_order(c, g))
-               if all(cost(run, c, p, g, packed) <= budget or len(run) == 1 for run in cuts))
+    return min((sum(cost(run, c, p, g, layout) for run in cuts), len(cuts))
+               for cuts in contiguous_cuts(plan_order(c, g, layout))
+               if all(cost(run, c, p, g, layout) <= budget or len(run) == 1 for run in cuts))
 
 
-def check_plan(plan: list[list[int]], c: list[int], p: list[int], g: list[int], budget: int, packed: bool) -> None:
+def check_plan(plan: list[list[int]], c: list[int], p: list[int], g: list[int], budget: int, layout: str) -> None:
     rows = len(c)
     assert sorted(r for run in plan for r in run) == list(range(rows))
     assert all(run == sorted(run) for run in plan)
-    assert all(cost(run, c, p, g, packed) <= budget or len(run) == 1 for run in plan)
-    # rows of one micro-batch are neighbours in the length order: the padding is what sorting leaves
-    position = {row: i for i, row in enumerate(length_order(c, g))}
+    assert all(cost(run, c, p, g, layout) <= budget or len(run) == 1 for run in plan)
+    # rows of one micro-batch are neighbours in the plan's order (by length; a tree's, group by group)
+    position = {row: i for i, row in enumerate(plan_order(c, g, layout))}
     for run in plan:
         places = sorted(position[r] for r in run)
         assert places == list(range(places[0], places[0] + len(run)))
-    got = (sum(cost(run, c, p, g, packed) for run in plan), len(plan))
-    assert got == least_cost_by_brute_force(c, p, g, budget, packed)
+    got = (sum(cost(run, c, p, g, layout) for run in plan), len(plan))
+    assert got == least_cost_by_brute_force(c, p, g, budget, layout)
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", range(40))
-def test_plan_is_the_least_cost_contiguous_cut_then_the_fewest(seed, packed):
+def test_plan_is_the_least_cost_contiguous_cut_then_the_fewest(seed, layout):
     """Against every contiguous cut of the sorted order (2^(n-1) of them): the least total cost, then the fewest
     micro-batches; budgets from one that leaves most rows alone over it (20) to one that never binds (10^6)."""
     rng = random.Random(seed)
     c, p, g = random_rows(seed, rng.randint(1, 9))
     budget = rng.choice([20, rng.randint(30, 120), rng.randint(120, 400), 10**6])
-    check_plan(plan_by_tokens(c, p, g, budget, packed=packed), c, p, g, budget, packed)
+    check_plan(plan_by_tokens(c, p, g, budget, layout=layout), c, p, g, budget, layout)
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_row_alone_over_the_budget_and_the_rest_by_least_cost(packed):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_row_alone_over_the_budget_and_the_rest_by_least_cost(layout):
     # the 60-token row cannot share (or fit); the others then split by cost, not by the fewest passes
     c, p, g = [60, 30, 29, 4, 3, 3], [5, 5, 5, 9, 9, 9], [0, 0, 0, 1, 1, 1]
-    check_plan(plan_by_tokens(c, p, g, 70, packed=packed), c, p, g, 70, packed)
+    check_plan(plan_by_tokens(c, p, g, 70, layout=layout), c, p, g, 70, layout)
 
 
 def test_least_cost_cut_by_hand():
@@ -115,17 +122,17 @@ def test_equal_costs_take_the_fewest_micro_batches_then_the_longest_first_run():
     assert plan_by_tokens([5, 5, 5], [1, 1, 1], [0, 1, 2], 100) == [[0, 1, 2]]
     # packed, every cut feeds the same tokens: the fewest runs, each first run as long as the budget lets it be
     # (the greedy cut): 4 rows of 2 + 3 - 1 = 4 tokens under a budget of 12: [3 rows], [1 row], not [2], [2]
-    assert plan_by_tokens([3] * 4, [2] * 4, [0] * 4, 12, packed=True) == [[0, 1, 2], [3]]
+    assert plan_by_tokens([3] * 4, [2] * 4, [0] * 4, 12, layout="packed") == [[0, 1, 2], [3]]
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_the_plan_is_the_same_for_the_same_lengths(packed):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_plan_is_the_same_for_the_same_lengths(layout):
     """Every process plans its batch itself: the same lengths give the same plan, call after call, and a ranks'
     copy of the lengths (a list or a tuple) changes nothing."""
     c, p, g = random_rows(11, 40)
-    first = plan_by_tokens(c, p, g, 300, packed=packed)
-    assert all(plan_by_tokens(c, p, g, 300, packed=packed) == first for _ in range(3))
-    assert plan_by_tokens(tuple(c), tuple(p), tuple(g), 300, packed=packed) == first
+    first = plan_by_tokens(c, p, g, 300, layout=layout)
+    assert all(plan_by_tokens(c, p, g, 300, layout=layout) == first for _ in range(3))
+    assert plan_by_tokens(tuple(c), tuple(p), tuple(g), 300, layout=layout) == first
 
 
 def test_a_few_hundred_rows_plan_in_quadratic_steps():
@@ -143,26 +150,47 @@ def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own():
     assert plan[0] == [0] and sorted(r for run in plan for r in run) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed,parts", [(s, k) for s in range(4) for k in (1, 2, 3, 5, 8)])
-def test_split_into_gives_exactly_parts_with_the_smallest_largest_cost(seed, parts, packed):
+def test_split_into_gives_exactly_parts_with_the_smallest_largest_cost(seed, parts, layout):
     c, p, g = random_rows(seed, 8)
-    plan = split_into(c, p, g, parts, packed=packed)
+    plan = split_into(c, p, g, parts, layout=layout)
     assert len(plan) == parts and all(plan)
     assert sorted(r for run in plan for r in run) == list(range(8))
-    best = min(max(cost(run, c, p, g, packed) for run in cuts)
-               for cuts in contiguous_cuts(length_order(c, g)) if len(cuts) == parts)
-    assert max(cost(run, c, p, g, packed) for run in plan) == best
+    best = min(max(cost(run, c, p, g, layout) for run in cuts)
+               for cuts in contiguous_cuts(plan_order(c, g, layout)) if len(cuts) == parts)
+    assert max(cost(run, c, p, g, layout) for run in plan) == best
 
 
-def test_a_packed_plan_pays_for_each_rows_prompt():
+def test_a_packed_plan_pays_for_each_rows_prompt_and_a_tree_for_each_group():
     """A group of 4 rows of 5 tokens after a 100-token prompt: 120 padded tokens (the prompt once), but 416 packed
-    (each row carries its own copy); a 150-token budget holds the group in one padded forward, one row per packed
-    row."""
+    as copies (each row carries its own prompt) and 116 as a prefix tree (the prompt once, no padding); a 150-token
+    budget holds the group in one padded forward and one tree, one row per packed row of copies."""
     c, p, g = [5] * 4, [100] * 4, [0] * 4
     assert plan_by_tokens(c, p, g, 150) == [[0, 1, 2, 3]]
-    assert plan_by_tokens(c, p, g, 150, packed=True) == [[0], [1], [2], [3]]
-    assert plan_by_tokens(c, p, g, 208, packed=True) == [[0, 1], [2, 3]]
+    assert plan_by_tokens(c, p, g, 150, layout="packed") == [[0], [1], [2], [3]]
+    assert plan_by_tokens(c, p, g, 208, layout="packed") == [[0, 1], [2, 3]]
+    assert tree_tokens(c, p, g) == 100 + 4 * 4
+    assert plan_by_tokens(c, p, g, 150, layout="packed_tree") == [[0, 1, 2, 3]]
+    assert plan_by_tokens(c, p, g, 115, layout="packed_tree") == [[0, 1, 2], [3]]  # 112, then 104
+
+
+def test_tree_tokens_counts_each_prompt_with_a_completion_once():
+    # groups 0 (prompt 4: completions 5, 2), 1 (prompt 7: 3), 2 (prompt 9: only an empty completion)
+    assert tree_tokens([5, 2, 3, 0], [4, 4, 7, 9], [0, 0, 1, 2]) == 4 + 7 + (5 - 1) + (2 - 1) + (3 - 1)
+    assert tree_tokens([], [], []) == 0
+
+
+def test_a_tree_plan_keeps_groups_whole_where_the_budget_lets_it():
+    """Two groups of 3 (prompts 50 and 60), completions interleaved by length: the length order would mix them
+    and pay both prompts twice; the tree's order cuts between the groups."""
+    c, p, g = [10, 9, 8, 7, 6, 5], [50, 60, 50, 60, 50, 60], [0, 1, 0, 1, 0, 1]
+    assert plan_by_tokens(c, p, g, 90, layout="packed_tree") == [[0, 2, 4], [1, 3, 5]]  # 71 and 78 tokens
+
+
+def test_an_unknown_layout_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"micro-batch layout must be one of padded, packed, packed_tree, got 'x'"):
+        plan_by_tokens([1], [1], [0], 10, layout="x")
 
 
 @pytest.mark.parametrize("call, message", [
@@ -227,20 +255,22 @@ def test_sorting_by_length_pays_less_padding_than_slicing_in_order():
                                                for mb in by_tokens)
 
 
+@pytest.mark.parametrize("kind", ["packed", "packed_tree"])
 @pytest.mark.parametrize("budget", [60, 150, 400])
-def test_no_packed_row_is_longer_than_the_budget(budget):
-    """Under packing each micro-batch is fed as one row (``packed_token_count``), each completion after its own copy
-    of its prompt (here 40 to 99 tokens): the budget bounds that row, unless one sequence alone is longer; forced
-    into more parts, the longest packed row is no longer."""
+def test_no_packed_row_is_longer_than_the_budget(budget, kind):
+    """Under packing each micro-batch is fed as one row (``packed_token_count``), as prompt copies or a prefix tree
+    (prompts here 40 to 99 tokens): the budget bounds that row, unless one sequence alone is longer; forced into
+    more parts, the longest packed row is no longer."""
     layout = uneven_layout(seed=2, prompt_range=(40, 100))
-    views = list(micro_batch_views(*layout, 4, micro_batch_tokens=budget, packed=True))
+    views = list(micro_batch_views(*layout, 4, micro_batch_tokens=budget, layout=kind))
     assert sorted(torch.cat([mb.rows for mb in views]).tolist()) == list(range(12))
     for mb in views:
-        assert int(packed_token_count(mb)) <= budget or mb.rows.numel() == 1, (budget, mb.rows)
+        assert int(packed_token_count(mb, kind)) <= budget or mb.rows.numel() == 1, (budget, mb.rows)
     parts = min(len(views) + 1, 12)
-    more = list(micro_batch_views(*layout, 4, micro_batch_tokens=budget, packed=True, parts=parts))
+    more = list(micro_batch_views(*layout, 4, micro_batch_tokens=budget, layout=kind, parts=parts))
     assert len(more) == parts
-    assert max(int(packed_token_count(mb)) for mb in more) <= max(int(packed_token_count(mb)) for mb in views)
+    assert (max(int(packed_token_count(mb, kind)) for mb in more)
+            <= max(int(packed_token_count(mb, kind)) for mb in views))
 
 
 def test_forced_parts_are_what_the_ranks_agree_on():

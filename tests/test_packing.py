@@ -1,4 +1,6 @@
-"""Packing without padding (``lit_grpo.core.packing``) gives the padded path's log-probs, entropies and gradients."""
+"""Packing without padding gives the padded path's log-probs, entropies and gradients, in both layouts: each
+completion after its own prompt copy (``"packed"``, ``lit_grpo.core.packing``) and the prefix tree
+(``"packed_tree"``, ``lit_grpo.core.prefix_tree``; its own tests are in tests/test_prefix_tree.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,13 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lit_grpo.core.batch import MicroBatch, left_pad, micro_batch_views
-from lit_grpo.core.packing import packed_completion_logprobs, packed_layout, packing_supported
+from lit_grpo.core.packing import packed_completion_logprobs, packed_layout, packed_layout_kind, packing_supported
 from lit_grpo.core.scoring import completion_logprobs
 from lit_grpo.models import tiny_llama
 
 VOCAB = 40
 TOL = 1e-5
+LAYOUTS = ("packed", "packed_tree")
 
 
 def uneven_micro_batch(seed: int = 0, prompts: int = 3, group: int = 3, multi_turn: bool = False) -> MicroBatch:
@@ -60,15 +63,16 @@ def test_layout_has_no_padding() -> None:
     assert input_ids.numel() < mb.completion_ids.shape[0] * (mb.prompt_ids.shape[1] + mb.completion_ids.shape[1])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_logprobs_and_entropy_equal_the_padded_path(attn: str, seed: int) -> None:
+def test_logprobs_and_entropy_equal_the_padded_path(attn: str, seed: int, layout: str) -> None:
     model = llama(attn).eval()
     mb = uneven_micro_batch(seed)
     real = mb.completion_mask.bool()
     with torch.no_grad():
         padded, padded_entropy = completion_logprobs(model, mb, 0.7, with_entropy=True)
-        packed, packed_entropy = packed_completion_logprobs(model, mb, 0.7, with_entropy=True)
+        packed, packed_entropy = packed_completion_logprobs(model, mb, 0.7, with_entropy=True, layout=layout)
     assert packed.shape == padded.shape and packed.dtype == padded.dtype == torch.float32
     torch.testing.assert_close(packed[real], padded[real], atol=TOL, rtol=0)
     torch.testing.assert_close(packed_entropy[real], padded_entropy[real], atol=TOL, rtol=0)
@@ -76,8 +80,8 @@ def test_logprobs_and_entropy_equal_the_padded_path(attn: str, seed: int) -> Non
 
 
 def test_without_the_block_causal_mask_the_numbers_differ(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The equality above rests on transformers detecting the packed sequences: with the detection off, the
-    sequences attend to one another and the comparison fails."""
+    """The copies layout's equality rests on transformers detecting the packed sequences: with the detection off,
+    the sequences attend to one another and the comparison fails."""
     from transformers import masking_utils
 
     model = llama("sdpa").eval()
@@ -86,20 +90,24 @@ def test_without_the_block_causal_mask_the_numbers_differ(monkeypatch: pytest.Mo
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     with torch.no_grad():
         padded, _ = completion_logprobs(model, mb, 1.0)
-        leaking, _ = packed_completion_logprobs(model, mb, 1.0)
+        leaking, _ = packed_completion_logprobs(model, mb, 1.0, layout="packed")
     assert (leaking[real] - padded[real]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_gradient_equals_the_padded_path(attn: str, entropy_grad: bool) -> None:
+def test_gradient_equals_the_padded_path(attn: str, entropy_grad: bool, layout: str) -> None:
     mb = uneven_micro_batch(seed=2, multi_turn=True)
     weights = torch.randn(mb.completion_ids.shape, generator=torch.Generator().manual_seed(3))
     mask = mb.loss_mask.float()
     grads, values = [], []
-    for fn in (completion_logprobs, packed_completion_logprobs):
+    for packed in (False, True):
         model = llama(attn).train()
-        logp, entropy = fn(model, mb, 1.0, with_entropy=True, entropy_grad=entropy_grad)
+        if packed:
+            logp, entropy = packed_completion_logprobs(model, mb, 1.0, True, entropy_grad, layout)
+        else:
+            logp, entropy = completion_logprobs(model, mb, 1.0, with_entropy=True, entropy_grad=entropy_grad)
         loss = (weights * logp * mask).sum() / mask.sum() - 0.1 * (entropy * mask).sum() / mask.sum()
         loss.backward()
         assert entropy.requires_grad == entropy_grad
@@ -111,13 +119,14 @@ def test_gradient_equals_the_padded_path(attn: str, entropy_grad: bool) -> None:
     assert any(g.abs().sum() > 0 for g in grads[1].values())
 
 
-def test_multi_turn_micro_batch_equals_the_padded_path() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_multi_turn_micro_batch_equals_the_padded_path(layout: str) -> None:
     model = llama("sdpa").eval()
     mb = uneven_micro_batch(seed=4, multi_turn=True)
     assert (mb.loss_mask != mb.completion_mask).any()
     with torch.no_grad():
         padded, _ = completion_logprobs(model, mb, 1.0)
-        packed, _ = packed_completion_logprobs(model, mb, 1.0)
+        packed, _ = packed_completion_logprobs(model, mb, 1.0, layout=layout)
     mask = mb.loss_mask.bool()
     torch.testing.assert_close(packed[mask], padded[mask], atol=TOL, rtol=0)
     # the environment's tokens are context: scored like any real token, then left out by the loss mask
@@ -125,7 +134,8 @@ def test_multi_turn_micro_batch_equals_the_padded_path() -> None:
     torch.testing.assert_close(packed[env], padded[env], atol=TOL, rtol=0)
 
 
-def test_learned_absolute_positions_pack() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_learned_absolute_positions_pack(layout: str) -> None:
     """GPT-2 indexes its position embedding with the position ids given, so it packs too."""
     config = GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2, n_head=2)
     torch.manual_seed(0)
@@ -136,7 +146,7 @@ def test_learned_absolute_positions_pack() -> None:
     real = mb.completion_mask.bool()
     with torch.no_grad():
         padded, _ = completion_logprobs(model, mb, 1.0)
-        packed, _ = packed_completion_logprobs(model, mb, 1.0)
+        packed, _ = packed_completion_logprobs(model, mb, 1.0, layout=layout)
     torch.testing.assert_close(packed[real], padded[real], atol=TOL, rtol=0)
 
 
@@ -187,7 +197,8 @@ def test_bad_layouts_are_refused() -> None:
 # ---- the token budget under packing (data.micro_batch_tokens with model.packing) ---------------------------------
 
 def packed_fit(tmp_path, monkeypatch, micro_batch_tokens: int | None) -> list[tuple[int, int]]:
-    """One step of the tiny fit with ``model.packing``: ``(rows, tokens)`` of every packed row the module fed."""
+    """One step of the tiny fit with ``model.packing``: ``(rows, tokens)`` of every packed row the module fed (each
+    fed as the tree its sdpa attention takes)."""
     from conftest import tiny_data, tiny_module, tiny_trainer
     from lit_grpo.callbacks import WeightSync
 
@@ -198,7 +209,8 @@ def packed_fit(tmp_path, monkeypatch, micro_batch_tokens: int | None) -> list[tu
     packed = scoring.packed_completion_logprobs
 
     def recording(model, mb, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        fed.append((int(mb.completion_ids.shape[0]), int(packed_token_count(mb))))
+        assert packed_layout_kind(model) == "packed_tree" and kwargs.get("layout") is None
+        fed.append((int(mb.completion_ids.shape[0]), int(packed_token_count(mb, "packed_tree"))))
         return packed(model, mb, *args, **kwargs)
 
     monkeypatch.setattr(scoring, "packed_completion_logprobs", recording)
@@ -209,7 +221,8 @@ def packed_fit(tmp_path, monkeypatch, micro_batch_tokens: int | None) -> list[tu
 
 
 def test_the_budget_bounds_every_packed_row_the_module_feeds(tmp_path, monkeypatch, recwarn) -> None:
-    """The plan counts a shared prompt once; a packed row repeats it per completion. Planned with the packed cost,
+    """The padded plan counts a shared prompt once per micro-batch, packed copies once per completion, a tree once
+    per group it holds. Planned with the cost of the layout fed (sdpa here: the tree),
     no row the module feeds (policy, pi_ref) is longer than ``data.micro_batch_tokens``, unless one sequence alone
     is; and the budget set, nothing is warned about packing."""
     budget = 300  # the tiny data's prompts are 140 to 331 tokens: two short sequences fit, no group whole

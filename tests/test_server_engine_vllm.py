@@ -283,7 +283,8 @@ def test_vllm_push_follows_the_weight_sync_protocol(fake_vllm, fake_server):
     engine = ServerEngine(url=fake_server.url, kind="vllm", policy=lambda: model, dtype="bfloat16", timeout_s=10)
     assert engine.rescore is False  # vLLM's sampler log-probs are alpha's
     engine.load_weights(model.named_parameters(), step=3)
-    assert fake_server.routes() == [("GET", "/get_world_size"), ("GET", "/get_world_size"),
+    # first the baseline read of vLLM's prefix-cache counters (engines/remote/prefix_cache.py), then the push
+    assert fake_server.routes() == [("GET", "/metrics"), ("GET", "/get_world_size"), ("GET", "/get_world_size"),
                                     ("POST", "/init_weight_transfer_engine"), *PUSH]
     bodies = {path: body for _, path, body in fake_server.calls}
     init = bodies["/init_weight_transfer_engine"]["init_info"]

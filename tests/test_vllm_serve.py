@@ -95,6 +95,19 @@ def test_generation_pushes_versions_and_weight_checker(served):
     gap = mean_gap(model, PROMPTS, groups)
     print(f"fp32 mean |vllm serve - teacher-forced| log-prob gap: {gap:.2e}")
     assert gap <= 1e-4
+    # its prefix cache, read from /metrics. vLLM caches whole blocks only (128 tokens on a CPU), so the short
+    # prompts above were looked up (a rate is logged) but could not hit; a prompt over one block, sampled twice,
+    # finds its first block cached the second time
+    stats = engine.routing_stats()
+    print(f"prefix cache since the client started: {stats}")
+    assert 0.0 <= stats["prefix_cache_hit_rate"] <= 1.0
+    long_prompt = [1] + [40 + i % 20 for i in range(150)]
+    engine.generate([long_prompt], 1, SAMPLING, seed=5)
+    engine.generate([long_prompt], 1, SAMPLING, seed=6)
+    stats = engine.routing_stats()
+    print(f"prefix cache over the long prompt: {stats}")
+    assert 0.0 < stats["prefix_cache_hit_rate"] <= 1.0
+    assert stats["server_0_prefix_cache_hit_rate"] == stats["prefix_cache_hit_rate"]
 
     # a second push of other weights: the version, the digests and the sampled distribution all follow
     new = perturbed(tiny_vllm_llama()[0], scale=0.5, seed=2)

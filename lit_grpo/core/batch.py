@@ -93,14 +93,26 @@ class RolloutBatch:
     def num_sequences(self) -> int:
         return int(self.completion_ids.shape[0])
 
-    def micro_batches(self, parts: int | None = None, packed: bool = False) -> Iterator[MicroBatch]:
+    def micro_batches(self, parts: int | None = None, layout: str = "padded") -> Iterator[MicroBatch]:
         """Slices of ``micro_batch_size`` completions, in order, or with ``micro_batch_tokens`` the token-budget
-        micro-batches (``parts`` of them when given: what sharded ranks agree on; ``packed``: costed as the packed
-        rows ``model.packing`` feeds); the same cut everywhere keeps scoring by the rollout engine and by the
-        policy bit-for-bit comparable."""
+        micro-batches (``parts`` of them when given: what sharded ranks agree on; ``layout``: costed as fed, padded
+        or in the packed layout ``model.packing`` feeds); the same cut everywhere keeps scoring by the rollout
+        engine and by the policy bit-for-bit comparable."""
         return micro_batch_views(self.prompt_ids, self.prompt_mask, self.group_index, self.completion_ids,
                                  self.completion_mask, self.micro_batch_size, self.loss_mask,
-                                 self.micro_batch_tokens, parts, packed)
+                                 self.micro_batch_tokens, parts, layout)
+
+
+def real_lengths(mask: torch.Tensor, left: bool) -> torch.Tensor:
+    """Per row, the number of real tokens of a padded ``mask``; raises if the real tokens are not one contiguous
+    run at the right (``left`` padding) or at the left (right padding), which the packed layout relies on."""
+    lengths = mask.long().sum(-1)
+    columns = torch.arange(mask.shape[-1], device=mask.device)
+    expected = columns >= mask.shape[-1] - lengths[:, None] if left else columns < lengths[:, None]
+    if not torch.equal(mask.bool(), expected):
+        side = "left" if left else "right"
+        raise ValueError(f"packing needs {side}-padded rows whose real tokens are contiguous; got a mask with holes")
+    return lengths
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,13 +132,13 @@ def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group
                       completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                       micro_batch_size: int, loss_mask: torch.Tensor | None = None,
                       micro_batch_tokens: int | None = None, parts: int | None = None,
-                      packed: bool = False) -> Iterator[MicroBatch]:
+                      layout: str = "padded") -> Iterator[MicroBatch]:
     """The micro-batches of a padded rollout layout (``RolloutBatch.micro_batches``), each with the distinct
     prompts it needs and trimmed of the padding no row of it uses: contiguous slices of ``micro_batch_size``
     completions, or with ``micro_batch_tokens`` the rows sorted by length and cut by that budget of padded tokens,
-    or with ``packed`` of packed-row tokens (exactly ``parts`` micro-batches when given;
-    ``lit_grpo.core.micro_batch_plan``). A rollout server scoring
-    pi_ref gets exactly these micro-batches, so its numbers line up with the trainer's."""
+    costed as ``layout`` feeds them (``lit_grpo.core.micro_batch_plan.LAYOUTS``; exactly ``parts`` micro-batches
+    when given). A rollout server scoring pi_ref gets exactly these micro-batches, so its numbers line up with the
+    trainer's."""
     num_sequences = int(completion_ids.shape[0])
     if micro_batch_tokens is None:
         selections: list[slice | torch.Tensor] = [slice(start, min(start + micro_batch_size, num_sequences))
@@ -134,7 +146,7 @@ def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group
     else:
         selections = [torch.tensor(rows, dtype=torch.long, device=completion_ids.device)
                       for rows in token_budget_rows(prompt_mask, group_index, completion_mask, micro_batch_tokens,
-                                                    parts, packed)]
+                                                    parts, layout)]
     for rows in selections:
         groups = group_index[rows]
         unique, inverse = torch.unique(groups, sorted=True, return_inverse=True)
@@ -156,15 +168,15 @@ def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group
 
 
 def token_budget_rows(prompt_mask: torch.Tensor, group_index: torch.Tensor, completion_mask: torch.Tensor,
-                      budget: int, parts: int | None = None, packed: bool = False) -> list[list[int]]:
+                      budget: int, parts: int | None = None, layout: str = "padded") -> list[list[int]]:
     """The rows of each token-budget micro-batch of a padded layout (``plan_by_tokens``, or ``split_into`` for
-    ``parts`` micro-batches), from its real lengths; ``packed``: costed as packed rows."""
+    ``parts`` micro-batches), from its real lengths, costed as ``layout`` feeds them."""
     completion_lengths = completion_mask.sum(1).tolist()
     groups = group_index.tolist()
     prompt_lengths = prompt_mask.sum(1)[group_index].tolist()
     if parts is None:
-        return plan_by_tokens(completion_lengths, prompt_lengths, groups, budget, packed)
-    return split_into(completion_lengths, prompt_lengths, groups, parts, packed)
+        return plan_by_tokens(completion_lengths, prompt_lengths, groups, budget, layout)
+    return split_into(completion_lengths, prompt_lengths, groups, parts, layout)
 
 
 def padding_tokens(micro_batches: list[MicroBatch]) -> torch.Tensor:

@@ -27,12 +27,15 @@ sharded model's parameter gathers).
 Only the partition changes: the loss weights divide by totals of the whole batch (``lit_grpo.math.aggregation``),
 so the update is the same sum over rows, whatever micro-batch each row is in.
 
-Packed (``model.packing``, :mod:`lit_grpo.core.packing`), a micro-batch is fed as ONE row of real tokens in which
-each completion carries its own copy of its prompt: its cost is then :func:`packed_tokens`, every row paying
-prompt + completion and none paying padding, so a group's prompt counts once per completion rather than once.
-The same dynamic programming applies (``packed=True``), the budget bounding the packed row's length; as no cut pads,
-every cut has the same total and the plan is the fewest micro-batches, each first run as long as the budget lets
-it be (the greedy cut).
+Packed (``model.packing``), a micro-batch is fed as ONE row of real tokens (no padding) in one of two layouts
+(:data:`LAYOUTS`). ``"packed"`` (:mod:`lit_grpo.core.packing`, flash attention): each completion carries its own copy
+of its prompt, so its cost, :func:`packed_tokens`, counts a group's prompt once per completion. ``"packed_tree"``
+(:mod:`lit_grpo.core.prefix_tree`, sdpa, eager and flex attention): a prefix tree, each distinct prompt once, so its
+cost, :func:`tree_tokens`, is the padded cost without the padding. The same dynamic programming applies. As no
+packed cut pads, the copies layout's cuts all have the same total and its plan is the fewest micro-batches, each
+first run as long as the budget lets it be (the greedy cut); the tree's total grows with each group split across
+micro-batches (its prompt paid again), so its rows are ordered group by group (:func:`tree_order`) and the cut keeps
+groups whole where the budget lets it.
 
 Sharded ranks (FSDP) must make the same number of forwards (each one gathers parameters together), so a plan can
 be asked for an exact number of micro-batches (:func:`split_into`): the ranks agree on the largest count any of
@@ -47,6 +50,9 @@ dynamic program over (parts, rows) on every forced rank at every step, 3 to 5.5 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+#: how a micro-batch is fed, and so what it costs: padded blocks, a packed row of prompt copies, a packed prefix tree
+LAYOUTS = ("padded", "packed", "packed_tree")
 
 
 def padded_tokens(completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int]) -> int:
@@ -63,11 +69,22 @@ def packed_tokens(completion_lengths: Sequence[int], prompt_lengths: Sequence[in
     return sum(p + c - 1 for c, p in zip(completion_lengths, prompt_lengths) if c > 0)
 
 
+def tree_tokens(completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int]) -> int:
+    """Tokens budgeted for the prefix tree of these rows (``lit_grpo.core.prefix_tree``): each distinct prompt
+    that has a non-empty completion once, and each completion but its last token. An upper bound of the tree's
+    nodes: completions that begin alike share their common prefix too, which is not subtracted."""
+    prompts = {g: p for c, p, g in zip(completion_lengths, prompt_lengths, groups) if c > 0}
+    return sum(prompts.values()) + sum(c - 1 for c in completion_lengths if c > 0)
+
+
 def micro_batch_cost(completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int],
-                     packed: bool = False) -> int:
-    """A micro-batch's cost in tokens: :func:`packed_tokens` when it is fed packed, else :func:`padded_tokens`."""
-    if packed:
+                     layout: str = "padded") -> int:
+    """A micro-batch's cost in tokens as ``layout`` feeds it: :func:`padded_tokens`, :func:`packed_tokens` or
+    :func:`tree_tokens`."""
+    if layout == "packed":
         return packed_tokens(completion_lengths, prompt_lengths)
+    if layout == "packed_tree":
+        return tree_tokens(completion_lengths, prompt_lengths, groups)
     return padded_tokens(completion_lengths, prompt_lengths, groups)
 
 
@@ -77,9 +94,28 @@ def length_order(completion_lengths: Sequence[int], groups: Sequence[int]) -> li
     return sorted(range(len(completion_lengths)), key=lambda r: (-completion_lengths[r], groups[r], r))
 
 
+def tree_order(completion_lengths: Sequence[int], groups: Sequence[int]) -> list[int]:
+    """Rows group by group (the group with the longest completion first), longest completion first within a group:
+    a contiguous cut of this order splits a group, and pays its prompt again, only where the budget forces it."""
+    longest: dict[int, int] = {}
+    for c, g in zip(completion_lengths, groups):
+        longest[g] = max(longest.get(g, 0), c)
+    return sorted(range(len(completion_lengths)),
+                  key=lambda r: (-longest[groups[r]], groups[r], -completion_lengths[r], r))
+
+
+def plan_order(completion_lengths: Sequence[int], groups: Sequence[int], layout: str) -> list[int]:
+    """The order a plan cuts into contiguous runs: :func:`tree_order` for a prefix tree, else
+    :func:`length_order`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"micro-batch layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return tree_order(completion_lengths, groups) if layout == "packed_tree" else length_order(completion_lengths,
+                                                                                                groups)
+
+
 def _cut(order: list[int], completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int],
-         budget: int, packed: bool = False) -> list[list[int]]:
-    """Greedy contiguous runs of ``order``, each within ``budget`` tokens (padded, or ``packed``); a row alone over
+         budget: int, layout: str = "padded") -> list[list[int]]:
+    """Greedy contiguous runs of ``order``, each within ``budget`` tokens as ``layout`` feeds them; a row alone over
     the budget gets a run of its own. Adding a row never lowers a run's cost, so greedy runs are the fewest
     possible: what :func:`split_into`'s bisection asks of a budget."""
     runs: list[list[int]] = []
@@ -88,24 +124,36 @@ def _cut(order: list[int], completion_lengths: Sequence[int], prompt_lengths: Se
     prompts: set[int] = set()
     for row in order:
         c, p, g = completion_lengths[row], prompt_lengths[row], groups[row]
-        if packed:  # the row's own prompt and completion are appended to the packed row
-            grown = fed + packed_tokens([c], [p])
-        else:
+        if layout == "padded":
             grown = (len(current) + 1) * max(longest, c) + len(prompts | {g}) * max(prompt_longest, p)
+        else:  # the row's tokens are appended to the packed row
+            grown = fed + _packed_growth(c, p, g, prompts, layout)
         if current and grown > budget:
             runs.append(current)
             current, longest, prompt_longest, fed, prompts = [], 0, 0, 0, set()
         current.append(row)
         longest, prompt_longest = max(longest, c), max(prompt_longest, p)
-        fed += packed_tokens([c], [p])
-        prompts.add(g)
+        fed += _packed_growth(c, p, g, prompts, layout)
+        if c > 0 or layout == "padded":
+            prompts.add(g)
     if current:
         runs.append(current)
     return runs
 
 
+def _packed_growth(c: int, p: int, g: int, prompts: set[int], layout: str) -> int:
+    """Tokens a row of completion ``c``, prompt ``p``, group ``g`` adds to a packed row whose groups with a
+    non-empty completion are ``prompts``: its prompt copy and completion (``"packed"``), or its completion and,
+    when its group is new, its prompt (``"packed_tree"``)."""
+    if c == 0:
+        return 0
+    if layout == "packed_tree":
+        return c - 1 + (0 if g in prompts else p)
+    return p + c - 1
+
+
 def _least_cost_cut(order: list[int], completion_lengths: Sequence[int], prompt_lengths: Sequence[int],
-                    groups: Sequence[int], budget: int, packed: bool = False) -> list[list[int]]:
+                    groups: Sequence[int], budget: int, layout: str = "padded") -> list[list[int]]:
     """Contiguous runs of ``order``, each within ``budget`` (a row alone over it: a run of its own), of the least
     total cost, then the fewest runs, then the longest first run: the recurrence of the module docstring,
     solved from the last row back."""
@@ -119,14 +167,16 @@ def _least_cost_cut(order: list[int], completion_lengths: Sequence[int], prompt_
         prompts: set[int] = set()
         for j in range(i, n):
             row = order[j]
-            c, p = completion_lengths[row], prompt_lengths[row]
-            if packed:
-                fed += packed_tokens([c], [p])
-                cost = fed
-            else:  # the running maxima and distinct prompts: O(1) a row, not O(run) from scratch
+            c, p, g = completion_lengths[row], prompt_lengths[row], groups[row]
+            if layout == "padded":  # the running maxima and distinct prompts: O(1) a row, not O(run) from scratch
                 longest, prompt_longest = max(longest, c), max(prompt_longest, p)
-                prompts.add(groups[row])
+                prompts.add(g)
                 cost = (j - i + 1) * longest + len(prompts) * prompt_longest
+            else:
+                fed += _packed_growth(c, p, g, prompts, layout)
+                if c > 0:
+                    prompts.add(g)
+                cost = fed
             if j > i and cost > budget:  # a run's cost never falls as it grows: no longer run fits either
                 break
             key = (cost + total[j + 1], 1 + runs[j + 1])
@@ -142,39 +192,39 @@ def _least_cost_cut(order: list[int], completion_lengths: Sequence[int], prompt_
 
 
 def plan_by_tokens(completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int],
-                   budget: int, packed: bool = False) -> list[list[int]]:
-    """Micro-batches of at most ``budget`` tokens each (padded tokens, or with ``packed`` the packed row's; a longer
-    single row: one of its own), cut from the rows sorted by :func:`length_order` into contiguous runs of the least
-    total cost, ``sum of cost(run)`` (:func:`padded_tokens` or :func:`packed_tokens`), and among those the fewest
-    runs (the dynamic programming of the module docstring). Each micro-batch lists its rows in ascending order."""
+                   budget: int, layout: str = "padded") -> list[list[int]]:
+    """Micro-batches of at most ``budget`` tokens each as ``layout`` feeds them (a longer single row: one of its
+    own), cut from the rows in :func:`plan_order` into contiguous runs of the least total cost, ``sum of
+    cost(run)`` (:func:`micro_batch_cost`), and among those the fewest runs (the dynamic programming of the module
+    docstring). Each micro-batch lists its rows in ascending order."""
     if budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
     _check_lengths(completion_lengths, prompt_lengths, groups)
-    order = length_order(completion_lengths, groups)
+    order = plan_order(completion_lengths, groups, layout)
     return [sorted(run) for run in _least_cost_cut(order, completion_lengths, prompt_lengths, groups, budget,
-                                                   packed)]
+                                                   layout)]
 
 
 def split_into(completion_lengths: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int],
-               parts: int, packed: bool = False) -> list[list[int]]:
-    """Exactly ``parts`` micro-batches (``1 <= parts <= rows``) of the length-sorted rows, contiguous in that order,
-    whose largest cost (padded, or ``packed``) is the smallest any such cut reaches (the least budget under which
-    the greedy cut needs at most ``parts`` runs, found by bisection; then the runs with most rows are halved until
-    there are ``parts``)."""
+               parts: int, layout: str = "padded") -> list[list[int]]:
+    """Exactly ``parts`` micro-batches (``1 <= parts <= rows``) of the rows in :func:`plan_order`, contiguous in that
+    order, whose largest cost as ``layout`` feeds them is the smallest any such cut reaches (the least budget under
+    which the greedy cut needs at most ``parts`` runs, found by bisection; then the runs with most rows are halved
+    until there are ``parts``)."""
     _check_lengths(completion_lengths, prompt_lengths, groups)
     rows = len(completion_lengths)
     if not 1 <= parts <= rows:
         raise ValueError(f"cannot cut {rows} completions into {parts} micro-batches; expected 1 <= parts <= {rows}")
-    order = length_order(completion_lengths, groups)
-    low = max(micro_batch_cost([completion_lengths[r]], [prompt_lengths[r]], [groups[r]], packed) for r in order)
-    high = micro_batch_cost(completion_lengths, prompt_lengths, groups, packed)
+    order = plan_order(completion_lengths, groups, layout)
+    low = max(micro_batch_cost([completion_lengths[r]], [prompt_lengths[r]], [groups[r]], layout) for r in order)
+    high = micro_batch_cost(completion_lengths, prompt_lengths, groups, layout)
     while low < high:
         middle = (low + high) // 2
-        if len(_cut(order, completion_lengths, prompt_lengths, groups, middle, packed)) <= parts:
+        if len(_cut(order, completion_lengths, prompt_lengths, groups, middle, layout)) <= parts:
             high = middle
         else:
             low = middle + 1
-    runs = _cut(order, completion_lengths, prompt_lengths, groups, low, packed)
+    runs = _cut(order, completion_lengths, prompt_lengths, groups, low, layout)
     while len(runs) < parts:
         widest = max(range(len(runs)), key=lambda i: (len(runs[i]), -i))
         run = runs[widest]

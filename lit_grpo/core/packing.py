@@ -29,10 +29,9 @@ packed row of 8k tokens computes (and on a CPU materialises) 64M scores per head
 fewer. For long micro-batches on sdpa keep the token budget moderate; flash attention and flex attention pay only
 for the blocks that attend.
 
-Not done: keeping the padded path's prompt sharing (each distinct prompt once, its completions attending to it).
-It needs a custom 4D mask (``same group and (key in the prompt or key in the same completion) and key <= query``),
-which only sdpa and eager accept as given (flash attention takes none, flex a ``BlockMask`` built another way) and
-which is dense again; here each completion carries its own copy of the prompt.
+That is the layout under flash attention (and for sliding-window models): each completion carries its own copy of
+its prompt. Under sdpa, eager and flex attention a micro-batch packs as a prefix tree instead, each group's prompt
+once (:mod:`lit_grpo.core.prefix_tree`); :func:`packed_layout_kind` says which a model gets.
 """
 
 from __future__ import annotations
@@ -43,7 +42,8 @@ import sys
 import torch
 from torch import nn
 
-from lit_grpo.core.batch import MicroBatch
+from lit_grpo.core.batch import MicroBatch, real_lengths
+from lit_grpo.core.prefix_tree import tree_layout, tree_logits, tree_supported, tree_token_count
 from lit_grpo.math.logprobs import differentiable_entropy, selective_log_softmax_with_normaliser, token_entropy
 
 #: attention implementations whose transformers code path separates packed sequences by their position ids
@@ -106,18 +106,6 @@ def packing_supported(model: nn.Module) -> str | None:
     return None
 
 
-def real_lengths(mask: torch.Tensor, left: bool) -> torch.Tensor:
-    """Per row, the number of real tokens of a padded ``mask``; raises if the real tokens are not one contiguous
-    run at the right (``left`` padding) or at the left (right padding), which the packed layout relies on."""
-    lengths = mask.long().sum(-1)
-    columns = torch.arange(mask.shape[-1], device=mask.device)
-    expected = columns >= mask.shape[-1] - lengths[:, None] if left else columns < lengths[:, None]
-    if not torch.equal(mask.bool(), expected):
-        side = "left" if left else "right"
-        raise ValueError(f"packing needs {side}-padded rows whose real tokens are contiguous; got a mask with holes")
-    return lengths
-
-
 def packed_layout(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The packed row of a micro-batch: ``input_ids [1, T]``, ``position_ids [1, T]``, the indices ``[N]`` of the
     positions whose logits predict a completion token, and those tokens ``[N]``, row by row (``N`` = real
@@ -148,32 +136,53 @@ def packed_layout(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return torch.cat(ids)[None], torch.cat(positions)[None], torch.cat(keep), torch.cat(targets)
 
 
+def packed_layout_kind(model: nn.Module) -> str:
+    """How ``model``'s packed passes lay out a micro-batch: ``"packed_tree"`` (each shared prefix once, a custom
+    mask; :mod:`lit_grpo.core.prefix_tree`) where its attention takes one, else ``"packed"`` (each completion after
+    its own prompt copy; position ids keep the sequences apart). The names are
+    :data:`lit_grpo.core.micro_batch_plan.LAYOUTS`, so the token budget costs the layout that runs."""
+    return "packed_tree" if tree_supported(_unwrapped(model).config) is None else "packed"
+
+
 def packed_completion_logprobs(
-    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False
+    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False,
+    layout: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`lit_grpo.core.scoring.completion_logprobs` from one packed forward without padding: ``log softmax(
-    logits / T)`` of each completion token, ``[s, C']``, and optionally the entropy (with its gradient when
+    """:func:`lit_grpo.core.scoring.completion_logprobs` from one packed forward without padding, in ``layout``
+    (``"packed_tree"`` or ``"packed"``; None: the one :func:`packed_layout_kind` picks): ``log softmax(logits /
+    T)`` of each completion token, ``[s, C']``, and optionally the entropy (with its gradient when
     ``entropy_grad``), through the same functions of :mod:`lit_grpo.math.logprobs`.
 
     Padded positions (``completion_mask == 0``) hold 0 in both outputs, where the padded path holds whatever the
     model predicts after a pad token; every caller masks them (``MicroBatch.loss_mask`` is within
-    ``completion_mask``). Each row pays for its own prompt (the padded path shares one prompt forward across the
-    completions of a group). The forward never takes a KV cache, so it is the same under activation checkpointing.
+    ``completion_mask``). The forward never takes a KV cache, so it is the same under activation checkpointing.
     Check :func:`packing_supported` first: with an attention implementation that ignores packed position ids
     the sequences would attend to one another and the numbers would be silently wrong.
     """
-    input_ids, position_ids, keep, targets = packed_layout(mb)
     logp = torch.zeros(mb.completion_ids.shape, dtype=torch.float32, device=mb.completion_ids.device)
     entropy = torch.zeros_like(logp) if with_entropy else None
-    if keep.numel() == 0:
-        return logp, entropy
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=None,  # packed sequences are detected only without a 2D mask
-        position_ids=position_ids,
-        use_cache=False,  # and only without a cache
-        logits_to_keep=keep,  # the lm head runs on the N predicting positions only
-    ).logits
+    layout = layout or packed_layout_kind(model)
+    if layout not in ("packed", "packed_tree"):
+        raise ValueError(f"a packed layout is 'packed' or 'packed_tree', got {layout!r}")
+    if layout == "packed_tree":
+        if (why := tree_supported(_unwrapped(model).config)) is not None:
+            raise ValueError(f"packed_tree layout: {why}")
+        tree = tree_layout(mb)
+        targets = tree.targets
+        if targets.numel() == 0:
+            return logp, entropy
+        logits = tree_logits(model, _unwrapped(model).config._attn_implementation, tree)
+    else:
+        input_ids, position_ids, keep, targets = packed_layout(mb)
+        if keep.numel() == 0:
+            return logp, entropy
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=None,  # packed sequences are detected only without a 2D mask
+            position_ids=position_ids,
+            use_cache=False,  # and only without a cache
+            logits_to_keep=keep,  # the lm head runs on the N predicting positions only
+        ).logits
     values, normaliser = selective_log_softmax_with_normaliser(logits, targets[None], temperature)
     real = mb.completion_mask.bool()
     logp = logp.to(values.dtype).masked_scatter(real, values[0])
@@ -186,9 +195,12 @@ def packed_completion_logprobs(
     return logp, entropy
 
 
-def packed_token_count(mb: MicroBatch) -> torch.Tensor:
-    """Tokens the packed row of ``mb`` feeds the model (:func:`packed_layout`): each row's real prompt tokens and
-    its real completion tokens but the last, a 0-d tensor on the masks' device (no host sync)."""
+def packed_token_count(mb: MicroBatch, layout: str = "packed") -> torch.Tensor:
+    """Tokens the packed row of ``mb`` feeds the model, a 0-d tensor on the masks' device (no host sync): in the
+    copies layout (``"packed"``, :func:`packed_layout`) each row's real prompt tokens and its real completion tokens
+    but the last; as a prefix tree (``"packed_tree"``) :func:`lit_grpo.core.prefix_tree.tree_token_count`."""
+    if layout == "packed_tree":
+        return tree_token_count(mb)
     prompt_tokens = mb.prompt_mask.sum(1)[mb.prompt_index]
     completion_tokens = mb.completion_mask.sum(1)
     return torch.where(completion_tokens > 0, prompt_tokens + completion_tokens - 1, 0).sum()

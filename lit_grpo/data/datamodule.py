@@ -76,7 +76,8 @@ class RolloutDataModule(L.LightningDataModule):
             (rows x longest completion + distinct prompts x longest prompt; a longer single completion gets a pass
             of its own). On uneven lengths the update then pays for the tokens, not for each pass's longest row
             (``train/padded_fraction``). With ``model.packing`` a pass is one packed row and its tokens are that
-            row's (each completion with its own prompt, no padding). None (default): ``micro_batch_size`` rows per
+            row's, no padding: a prefix tree's (each group's prompt once, sdpa, eager and flex attention) or each
+            completion with its own prompt (flash attention). None (default): ``micro_batch_size`` rows per
             pass, in order.
         max_new_tokens, temperature, top_p: sampling (log-probs use ``logits / temperature``). The one source of
             the sampling settings: a LightningModule with a ``temperature`` of its own (``GRPOModule``'s, which the
@@ -524,7 +525,7 @@ class RolloutDataModule(L.LightningDataModule):
         timings = {"rollout_seconds": time.perf_counter() - start, "generate_seconds": generate_seconds,
                    **({"reference_seconds": rollouts.reference_seconds} if self.scores_reference else {}),
                    **(self.rollout_engine.kept_weights_stats() if kept else {})}
-        routing = getattr(self.rollout_engine, "routing_stats", None)  # several servers: the sequences each was sent
+        routing = getattr(self.rollout_engine, "routing_stats", None)  # per-server load, prefix-cache hits
         if routing is not None:
             stats = {**routing(), **stats}
         origin = BatchOrigin(

@@ -125,9 +125,10 @@ def constant_normaliser_mismatch(module: Any, sampling: SamplingConfig) -> str |
 
 def packing_without_budget(module: Any, micro_batch_tokens: int | None, micro_batch_size: int) -> str | None:
     """The warning for ``model.packing`` without ``data.micro_batch_tokens``, or ``None``. Without a budget a packed
-    row is ``micro_batch_size`` whole sequences, each with its own prompt, and sdpa and eager attention mask it
-    densely, at the square of its length (the demo's update on a CPU: 20x slower than unpacked); flash and flex
-    attention skip what the sequences do not attend to, so they are not warned about."""
+    row is ``micro_batch_size`` whole sequences (a prefix tree, or each with its own prompt), and sdpa and eager
+    attention mask it densely, at the square of its length (the demo's update on a CPU, in the copies layout: 20x
+    slower than unpacked); flash and flex attention skip what the sequences do not attend to, so they are not warned
+    about."""
     if module_setting(module, "packing") is not True or micro_batch_tokens is not None:
         return None
     config = getattr(getattr(module, "policy", None), "config", None)
@@ -135,7 +136,7 @@ def packing_without_budget(module: Any, micro_batch_tokens: int | None, micro_ba
     if isinstance(attention, str) and attention.startswith(("flash_attention", "flex_attention")):
         return None
     return (f"model.packing: true without data.micro_batch_tokens packs each micro-batch of micro_batch_size="
-            f"{micro_batch_size} whole sequences (each with its own prompt) into one row, and {attention or 'this'} "
+            f"{micro_batch_size} whole sequences into one row, and {attention or 'this'} "
             "attention masks it densely, at the square of its length (on a CPU the update can be many times "
             "slower than unpacked); set data.micro_batch_tokens (e.g. 4096) to bound each packed row")
 

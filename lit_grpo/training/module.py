@@ -31,7 +31,7 @@ from lit_grpo.core.distributed import (
 )
 from lit_grpo.core.measured_metrics import log_measured
 from lit_grpo.core.option_groups import as_group, plain
-from lit_grpo.core.packing import packed_token_count, packing_supported
+from lit_grpo.core.packing import packed_layout_kind, packed_token_count, packing_supported
 from lit_grpo.core.quiet import quiet_lightning
 from lit_grpo.core.scoring import active_dropout, completion_logprobs, dropout_off, policy_logprobs
 from lit_grpo.math.aggregation import (
@@ -121,11 +121,13 @@ class GRPOModule(L.LightningModule):
             update, see ``lit_grpo.training.flops``). None: the bf16 dense peak of the CUDA device when
             ``lit_grpo.training.flops.PEAK_BF16_FLOPS`` knows it; on a CPU or an unknown device no MFU is logged.
         packing: run each micro-batch's log-prob passes (policy, pi_ref, the TV monitor) as one packed row without
-            padding (``lit_grpo.core.packing``: position ids restart per sequence; sdpa, eager and flex attention
-            get a block-causal mask, flash attention its variable-length kernel). Each completion then carries its
-            own copy of its prompt. Log-probs equal the padded path's within 1e-5 in float32. A model that cannot
-            pack is refused when the module is made. Set ``data.micro_batch_tokens`` with it: the budget then
-            bounds each packed row (every completion counted with its prompt, no padding); without one a packed row
+            padding. Under sdpa, eager and flex attention the row is a prefix tree: each group's prompt once, its
+            completions as branches, turns that trajectories share once, with a mask letting each token see its own
+            path only (``lit_grpo.core.prefix_tree``). Under flash attention (and for sliding-window models) each
+            completion carries its own copy of its prompt and the variable-length kernel keeps them apart
+            (``lit_grpo.core.packing``). Log-probs equal the padded path's within 1e-5 in float32. A model that
+            cannot pack is refused when the module is made. Set ``data.micro_batch_tokens`` with it: the budget then
+            bounds each packed row (its layout's tokens, no padding); without one a packed row
             is ``micro_batch_size`` whole sequences, which sdpa and eager attention mask densely at the square of
             its length (on a CPU the demo's update ran 20x slower), warned about when the fit starts.
     """
@@ -343,6 +345,12 @@ class GRPOModule(L.LightningModule):
         return bool(self.hparams.get("packing", False))
 
     @property
+    def micro_batch_layout(self) -> str:
+        """How each micro-batch is fed, and so what its token budget counts: ``"padded"``, or packed as a prefix
+        tree or as prompt copies, whichever the policy's attention takes (``lit_grpo.core.packing``)."""
+        return packed_layout_kind(self.policy) if self.packing else "padded"
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the objective has a KL term (beta > 0), hence pi_ref's log-probs."""
         return self.hparams.beta > 0
@@ -409,8 +417,9 @@ class GRPOModule(L.LightningModule):
             iteration_stats.append(totals)
         if hp.monitor_tv_after_update:
             iteration_stats[-1]["tv_pi_alpha_sum"] = self.tv_after_update(batch, micro_batches, pik_logps)
-        if self.packing:  # no padding; each completion runs its own copy of its prompt
-            fed = torch.stack([packed_token_count(mb) for mb in micro_batches]).sum().to(torch.float64)
+        if self.packing:  # no padding: a prefix tree, or each completion after its own prompt copy
+            layout = self.micro_batch_layout
+            fed = torch.stack([packed_token_count(mb, layout) for mb in micro_batches]).sum().to(torch.float64)
             iteration_stats[0]["processed_tokens"] = fed
             iteration_stats[0]["padded_tokens"], iteration_stats[0]["computed_tokens"] = fed * 0, fed
         else:
@@ -426,12 +435,13 @@ class GRPOModule(L.LightningModule):
         """The batch's micro-batches. Token-budget ones (``data.micro_batch_tokens``) differ in number from rank to
         rank; every forward of a sharded (FSDP) model is a collective, so the ranks then agree on the largest number
         any of them needs and each cuts its rows into that many. Packed, the budget bounds the packed row."""
-        micro_batches = list(batch.micro_batches(packed=self.packing))
+        micro_batches = list(batch.micro_batches(layout=self.micro_batch_layout))
         if batch.micro_batch_tokens is None or rank_and_world()[1] == 1:
             return micro_batches
         count = torch.tensor(len(micro_batches), dtype=torch.long, device=self.device)
         parts = int(all_reduce(count, "max"))
-        return micro_batches if parts == len(micro_batches) else list(batch.micro_batches(parts, self.packing))
+        return micro_batches if parts == len(micro_batches) else list(batch.micro_batches(parts,
+                                                                                          self.micro_batch_layout))
 
     def update_entropy_coefficient(self, totals: dict[str, torch.Tensor]) -> None:
         """TRL's adaptive entropy control after an optimizer step: the step's mean entropy over every rank's

@@ -52,6 +52,7 @@ from lit_grpo.engines.base import (
 from lit_grpo.engines.options import ServerOptions
 from lit_grpo.engines.remote.connection import RouterConnection, ServerConnection
 from lit_grpo.engines.remote.kept_weights import LORA_SPEC_KEY, MERGES_KEY, KeptWeights
+from lit_grpo.engines.remote.prefix_cache import PrefixCacheMeter, counters_of
 from lit_grpo.engines.remote.reference_client import ReferenceClient
 from lit_grpo.engines.remote.session_routing import SessionRouter, spread_stats
 from lit_grpo.engines.remote.weight_push import WeightPusher
@@ -111,6 +112,12 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         self.sessions = SessionRouter(len(self.servers), first=rank_and_world()[0])
         #: a router's session ids: unique across the ranks and runs that share it
         self.session_prefix = f"{secrets.token_hex(4)}-r{rank_and_world()[0]}"
+        #: vllm serve's prefix-cache counters (``GET /metrics`` of each server), read once a batch; the first read,
+        #: now, is the baseline
+        self.prefix_cache = (PrefixCacheMeter(counters_of(self.servers), len(self.servers))
+                             if options.kind == "vllm" else None)
+        if self.prefix_cache is not None:
+            self.prefix_cache.take()
         self.synced_step = 0
         self.reference_version: str | None = None  # the label of the pi_ref pushed to the servers
         self.serves_reference = bool(serves_reference)
@@ -390,10 +397,14 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
 
     def routing_stats(self) -> dict[str, float]:
         """With several servers and no router, the sequences sent to each since the last call, and the busiest
-        server's share over the mean (``session_routing.spread_stats``); nothing with one server or a router (its
-        own metrics say where it sent them)."""
+        server's share over the mean (``session_routing.spread_stats``; with a router its own metrics say where it
+        sent them); with ``vllm serve``, each server's prefix-cache hit rate since the last call, over every
+        client's requests (``prefix_cache.PrefixCacheMeter``; the project's server has no prefix cache)."""
         sent = self.sessions.take_sent()
-        return spread_stats(sent) if len(self.servers) > 1 and self.router is None else {}
+        stats = spread_stats(sent) if len(self.servers) > 1 and self.router is None else {}
+        if self.prefix_cache is not None:
+            stats.update(self.prefix_cache.take())
+        return stats
 
     def _requests(self, prompts: list[list[int]], n: int, seed: int,
                   sessions: Sequence[Hashable] | None = None) -> list[Request]:

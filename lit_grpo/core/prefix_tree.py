@@ -1,0 +1,174 @@
+"""A micro-batch packed as a prefix tree: each group's prompt once, and every prefix two rows share once.
+
+The copies layout of :mod:`lit_grpo.core.packing` feeds each completion after its own copy of its prompt, so a
+group of G completions pays its prompt G times. Here the rows' sequences ``prompt + completion[:-1]`` are merged
+into a tree (a trie over tokens): a node is a token at a depth, shared by every row whose sequence starts with the
+same tokens up to it. A group's prompt is then one path, each completion a branch off its last token, and
+multi-turn trajectories that sampled the same first turn share that turn too (two groups with the same prompt
+share it as well).
+
+The tree is laid out in depth-first pre-order, so each node's descendants follow it contiguously:
+``subtree_end[k]`` is one past the last of them. A token at depth ``d`` gets position id ``d``, and attends to the
+keys on its own path from the root (:func:`tree_attention_mask`)::
+
+    query q may attend key k  <=>  k <= q < subtree_end[k]      (k is q or an ancestor of q)
+
+which, for one row, is exactly the causal attention of ``prompt + completion`` at positions ``0 ..``: the padded
+path's numbers, within kernel rounding. Which attention implementations take such a mask (transformers 5.24's
+``masking_utils._preprocess_mask_arguments`` passes a 4D mask or a ``BlockMask`` through unchanged):
+
+* ``sdpa``: a ``[1, 1, T, T]`` boolean mask (True = attend);
+* ``eager``: the same as an additive mask (0 where attended, the dtype's minimum elsewhere), which its
+  ``attn_weights + attention_mask`` expects;
+* ``flex_attention``: a ``BlockMask`` from the same rule as a ``mask_mod``, built from ``subtree_end`` alone
+  (``O(T)`` memory; fully masked blocks are skipped). torch 2.13 runs flex attention's forward on a CPU but not its
+  backward: a gradient pass with flex needs an accelerator.
+* flash attention takes no mask (only ``cu_seqlens`` of disjoint sequences): it keeps the copies layout, as does a
+  model with sliding-window or chunked layers, whose own window a custom mask would replace
+  (:func:`tree_supported`).
+
+Cost: ``T`` = the tree's nodes, at most ``sum over distinct prompts of their length + sum over rows of (completion
+- 1)`` (what :func:`lit_grpo.core.micro_batch_plan.tree_tokens` budgets), against the copies layout's ``sum over
+rows of (prompt + completion - 1)``. With sdpa and eager the mask is dense (``T x T``) and attention's work grows as
+``T^2``, as in the copies layout; flex pays only for the blocks that attend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lit_grpo.core.batch import MicroBatch, real_lengths
+
+#: attention implementations that accept a custom 4D mask (sdpa, eager) or a ``BlockMask`` (flex)
+TREE_ATTENTION = ("sdpa", "eager", "flex_attention")
+#: layer kinds that attend to the whole causal past (a window of their own would be replaced by the tree's mask)
+_FULL_ATTENTION = {"full_attention"}
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """One micro-batch as a prefix tree laid out in pre-order (see the module docstring)."""
+
+    input_ids: torch.Tensor  # [1, T] the nodes' tokens
+    position_ids: torch.Tensor  # [1, T] each node's depth
+    subtree_end: torch.Tensor  # [T] one past the last descendant of each node
+    keep: torch.Tensor  # [N] the nodes whose logits predict a completion token, row by row
+    targets: torch.Tensor  # [N] the tokens they predict
+
+
+def tree_supported(config: object) -> str | None:
+    """``None`` when a model of this transformers ``config``, once it packs at all
+    (:func:`lit_grpo.core.packing.packing_supported`), can pack as a prefix tree, else one line saying why not (it
+    then packs with the copies layout, each completion after its own prompt)."""
+    attn = getattr(config, "_attn_implementation", None)
+    if attn not in TREE_ATTENTION:
+        return f"a prefix tree needs a custom attention mask, which {attn!r} takes none of"
+    layer_types = set(getattr(config, "layer_types", None) or ()) - _FULL_ATTENTION
+    if layer_types:
+        return f"a prefix tree's mask would replace the window of the model's {', '.join(sorted(layer_types))} layers"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "a prefix tree's mask would replace the model's sliding window"
+    return None
+
+
+def tree_layout(mb: MicroBatch) -> TreeLayout:
+    """The prefix tree of ``mb``'s rows with a completion: ``prompt + completion[:-1]`` each, merged where they
+    agree from the first token. Rows sorted by their token sequences are inserted in that order, which makes
+    insertion order pre-order: each new row shares its longest common prefix with the row sorted just before it
+    and appends the rest. One host transfer of the token ids; the rest is Python over the tokens."""
+    device = mb.completion_ids.device
+    prompt_len = real_lengths(mb.prompt_mask, left=True).tolist()
+    completion_len = real_lengths(mb.completion_mask, left=False).tolist()
+    prompt_rows = mb.prompt_index.tolist()
+    prompts, completions = mb.prompt_ids.tolist(), mb.completion_ids.tolist()
+    width = mb.prompt_ids.shape[1]
+    sequences: dict[int, list[int]] = {}
+    for row, c in enumerate(completion_len):
+        if c == 0:
+            continue
+        p = prompt_len[prompt_rows[row]]
+        if p == 0:
+            raise ValueError("packing needs at least one prompt token per row: its last token predicts the first "
+                             "completion token")
+        sequences[row] = prompts[prompt_rows[row]][width - p:] + completions[row][: c - 1]
+    if not sequences:
+        empty = mb.completion_ids.new_zeros(0)
+        return TreeLayout(empty[None], empty[None], empty, empty, empty)
+    tokens: list[int] = []
+    depth: list[int] = []
+    end: list[int] = []
+    paths: dict[int, list[int]] = {}
+    previous: list[int] = []
+    previous_path: list[int] = []
+    for row in sorted(sequences, key=lambda r: (sequences[r], r)):
+        sequence = sequences[row]
+        shared = 0
+        for a, b in zip(sequence, previous):
+            if a != b:
+                break
+            shared += 1
+        path = previous_path[:shared] + list(range(len(tokens), len(tokens) + len(sequence) - shared))
+        tokens += sequence[shared:]
+        depth += range(shared, len(sequence))
+        end += [0] * (len(sequence) - shared)
+        for node in path:  # every node on the path now ends after this row's last node
+            end[node] = len(tokens)
+        paths[row], previous, previous_path = path, sequence, path
+    keep, targets = [], []
+    for row in sorted(paths):  # row-major, as ``completion_mask`` is read
+        p, c = prompt_len[prompt_rows[row]], completion_len[row]
+        keep += paths[row][p - 1: p + c - 1]  # the last prompt token predicts completion[0], and so on
+        targets += completions[row][:c]
+    as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return TreeLayout(as_long(tokens)[None], as_long(depth)[None], as_long(end), as_long(keep), as_long(targets))
+
+
+def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
+    """``[T, T]`` booleans, True where query ``q`` may attend key ``k`` of a pre-order tree: ``k <= q <
+    subtree_end[k]``, i.e. ``k`` is ``q`` or one of its ancestors (the module docstring's rule)."""
+    nodes = torch.arange(subtree_end.numel(), device=subtree_end.device)
+    return (nodes[None, :] <= nodes[:, None]) & (nodes[:, None] < subtree_end[None, :])
+
+
+def model_attention_mask(attn: str, dtype: torch.dtype, subtree_end: torch.Tensor) -> object:
+    """The tree's mask in the form the attention implementation ``attn`` takes: a boolean ``[1, 1, T, T]`` (sdpa),
+    an additive one in ``dtype``, the hidden states' (eager), or a ``BlockMask`` (flex attention)."""
+    if attn == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def ancestor_or_self(batch, head, q, k):  # noqa: ANN001, ANN202 - flex's mask_mod signature
+            return (k <= q) & (q < subtree_end[k])
+
+        size = subtree_end.numel()
+        return create_block_mask(ancestor_or_self, 1, None, size, size, device=subtree_end.device)
+    allowed = tree_attention_mask(subtree_end)[None, None]
+    if attn == "eager":
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
+                                                                                           torch.finfo(dtype).min)
+    return allowed
+
+
+def tree_logits(model: nn.Module, attn: str, layout: TreeLayout) -> torch.Tensor:
+    """Logits ``[1, N, V]`` of the layout's predicting nodes from one forward of ``model`` (attention
+    implementation ``attn``) over the tree; no cache: the mask is the only thing keeping branches apart."""
+    mask = model_attention_mask(attn, model.get_input_embeddings().weight.dtype, layout.subtree_end)
+    return model(
+        input_ids=layout.input_ids,
+        attention_mask=mask,
+        position_ids=layout.position_ids,
+        use_cache=False,
+        logits_to_keep=layout.keep,  # the lm head runs on the N predicting nodes only
+    ).logits
+
+
+def tree_token_count(mb: MicroBatch) -> torch.Tensor:
+    """The budgeted tokens of ``mb``'s tree (an upper bound of its nodes: completion prefixes that coincide are
+    not subtracted): each distinct prompt with a completion once, and each completion but its last token, as a
+    0-d tensor on the masks' device (no host sync)."""
+    completion_tokens = mb.completion_mask.sum(1)
+    with_rows = torch.zeros(mb.prompt_mask.shape[0], dtype=torch.long, device=mb.prompt_mask.device)
+    used = with_rows.index_add(0, mb.prompt_index, (completion_tokens > 0).long()) > 0
+    return (mb.prompt_mask.sum(1) * used).sum() + (completion_tokens - 1).clamp(min=0).sum()
