@@ -95,13 +95,29 @@ def side_command(side: str, steps: int, budget: int, prompts: int, out: Path) ->
     return [sys.executable, "-c", code]
 
 
-def read_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+def read_metrics(run_dir: Path) -> dict[str, Any]:
     if (run_dir / "trl.json").is_file():
         return json.loads((run_dir / "trl.json").read_text())
     from lit_grpo.cli.plots import read_scalars
 
     scalars = read_scalars(run_dir)
     return {tag: scalars.get(tag, []) for tag in TAGS}
+
+
+def trl_config(workdir: str, rows: int, steps: int) -> Any:
+    """TRL's options for the demo's update, in float32 as the fits run (``32-true``): ``bf16`` and ``fp16`` set
+    here, since ``GRPOConfig`` turns bf16 on when it is unset and accelerate then autocasts on a CPU."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=workdir, use_cpu=True, use_vllm=False, gradient_checkpointing=False, bf16=False, fp16=False,
+        per_device_train_batch_size=rows, gradient_accumulation_steps=1, steps_per_generation=1,
+        num_generations=GROUP, num_iterations=1, beta=0.0, epsilon=0.2, loss_type="dapo",
+        learning_rate=5e-4, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+        max_steps=steps, shuffle_dataset=False, seed=0, logging_steps=1, report_to="none",
+        save_strategy="no", eval_strategy="no", log_completions=False, dataloader_num_workers=0,
+        disable_tqdm=True, disable_dropout=True,
+    )
 
 
 def trl_worker(out: Path) -> None:
@@ -111,7 +127,7 @@ def trl_worker(out: Path) -> None:
 
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from lit_grpo.models.loading import load_model_and_tokenizer
 
@@ -126,7 +142,7 @@ def trl_worker(out: Path) -> None:
         return batch
 
     GRPOTrainer._generate_and_score_completions = replay
-    series: dict[str, list[tuple[int, float]]] = {tag: [] for tag in TAGS}
+    series: dict[str, Any] = {tag: [] for tag in TAGS}
 
     class UpdateTimer(TrainerCallback):
         """An optimizer step's seconds (the replay inside it takes microseconds) and the batch's counts."""
@@ -148,19 +164,14 @@ def trl_worker(out: Path) -> None:
             series["rollout/completion_length"].append((step, float(batch["tool_mask"].sum(1).float().mean())))
 
     with tempfile.TemporaryDirectory() as workdir:
-        config = GRPOConfig(
-            output_dir=workdir, use_cpu=True, use_vllm=False, gradient_checkpointing=False,
-            per_device_train_batch_size=rows, gradient_accumulation_steps=1, steps_per_generation=1,
-            num_generations=GROUP, num_iterations=1, beta=0.0, epsilon=0.2, loss_type="dapo",
-            learning_rate=5e-4, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
-            max_steps=len(batches), shuffle_dataset=False, seed=0, logging_steps=1, report_to="none",
-            save_strategy="no", eval_strategy="no", log_completions=False, dataloader_num_workers=0,
-            disable_tqdm=True, disable_dropout=True,
-        )
+        config = trl_config(workdir, rows, len(batches))
         prompts = Dataset.from_dict({"prompt": ["?"] * (rows // GROUP) * len(batches)})
         trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                               args=config, train_dataset=prompts, processing_class=tokenizer,
                               callbacks=[UpdateTimer()])
+        series["mixed_precision"] = str(trainer.accelerator.mixed_precision)
+        if series["mixed_precision"] != "no":
+            raise RuntimeError(f"TRL runs with mixed precision {series['mixed_precision']!r}, not float32")
         trainer.train()
     (out / "trl.json").write_text(json.dumps(series) + "\n")
 
@@ -198,8 +209,9 @@ def main(argv: list[str] | None = None) -> None:
                 report[side] = {"error": f"the fit exited with {proc.returncode}"}
                 continue
             metrics = read_metrics(out)
+            precision = metrics.pop("mixed_precision", "no")  # TRL's, as accelerate ran it; the fits: 32-true
             measured = {tag: [v for step, v in series if step >= args.warmup] for tag, series in metrics.items()}
-            report[side] = {"series": metrics,
+            report[side] = {"series": metrics, "mixed_precision": precision,
                             "median": {tag: statistics.median(v) if v else None for tag, v in measured.items()}}
     padded = report.get("padded", {}).get("median", {}).get("train/update_seconds")
     print(f"\n{'side':8} {'update s':>9} {'vs padded':>10} {'upd tok/s':>10} {'padded':>7} {'mean length':>12}")

@@ -26,8 +26,10 @@ stays around alpha, as DeepSeek-V3.2 and prime-rl use their masks);
 
 Output in ``--out``: ``curves.json.gz`` (settings, per-cell summaries, every run's raw curves: held-out Pass@1,
 train reward, TV, mismatch, masked and truncated fractions, evaluation times; compact gzip'd JSON, see
-``curves_file.py``), ``corrections_study.png`` and the Markdown table docs/corrections-study.md quotes. Finished
-runs are kept (each in ``runs/<cell>/curves.json``), so an interrupted sweep resumes.
+``curves_file.py``) and ``corrections_study.png``; the script prints the Markdown tables, and with the default
+``--out`` writes them into docs/corrections-study.md (between its ``corrections-pass-table`` and
+``corrections-diagnostics-table`` markers). Finished runs are kept (each in ``runs/<cell>/curves.json``), so an
+interrupted sweep resumes.
 
     python experiments/corrections_study.py                      # the committed grid, 3 seeds
     python experiments/corrections_study.py --plot-only
@@ -47,6 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from curves_file import CURVES_FILE, read_curves, write_curves
+from doc_tables import write_table
 from fig2_miniature import model_for, read_run
 from miniature_server import MiniatureServer, parameter_checksums
 from miniature_stats import mean_std, seconds_since_first, wall_clock_curve
@@ -54,6 +57,7 @@ from miniature_stats import mean_std, seconds_since_first, wall_clock_curve
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = REPO_ROOT / "configs" / "demo_cpu.yaml"
 OUT = REPO_ROOT / "experiments" / "results" / "corrections_study"
+DOC = REPO_ROOT / "docs" / "corrections-study.md"  # its tables are written from OUT's runs
 MAX_TV = 0.01
 
 #: the columns: overrides of the demo config, and whether the run samples from a server process of its own
@@ -220,11 +224,10 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def table(stats: dict[str, dict[str, dict]], settings: list[str], rows: list[str]) -> str:
-    """One Markdown table: a row per correction, a column per setting, held-out Pass@1 at the end (mean ± std
-    over seeds, worst seed in brackets); then the per-cell diagnostics."""
-    head = "| correction | " + " | ".join(settings) + " |\n|---|" + "---:|" * len(settings)
-    lines = [head]
+def pass_table(stats: dict[str, dict[str, dict]], settings: list[str], rows: list[str]) -> str:
+    """A row per correction, a column per setting: held-out Pass@1 at the end (mean ± std over seeds, worst seed in
+    brackets); a cell SKIPPED leaves out says why."""
+    lines = ["| correction | " + " | ".join(settings) + " |", "|---|" + "---:|" * len(settings)]
     for row in rows:
         cells_ = []
         for setting in settings:
@@ -236,9 +239,13 @@ def table(stats: dict[str, dict[str, dict]], settings: list[str], rows: list[str
                 cells_.append(f"{cell['pass@1_end']:.2f} ± {cell['pass@1_end_std']:.2f} "
                               f"[{cell['pass@1_end_min']:.2f}]")
         lines.append(f"| {row} | " + " | ".join(cells_) + " |")
-    lines.append("")
-    lines.append("| setting | correction | TV(pi, alpha) | k3 KL(mu, pi_k) | masked | truncated | train + eval s |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|")
+    return "\n".join(lines)
+
+
+def diagnostics_table(stats: dict[str, dict[str, dict]], settings: list[str], rows: list[str]) -> str:
+    """A row per cell run: its mean TV(pi, alpha), mismatch, masked and truncated fractions, and seconds."""
+    lines = ["| setting | correction | TV(pi, alpha) | k3 KL(mu, pi_k) | masked | truncated | train + eval s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for setting in settings:
         for row in rows:
             cell = stats.get(setting, {}).get(row)
@@ -247,6 +254,25 @@ def table(stats: dict[str, dict[str, dict]], settings: list[str], rows: list[str
                              f"{fmt(cell['mismatch_k3'], '.2e')} | {fmt(cell['masked'], '.4f')} | "
                              f"{fmt(cell['truncated'], '.4f')} | {cell['train_s']:.0f} |")
     return "\n".join(lines)
+
+
+def table(stats: dict[str, dict[str, dict]], settings: list[str], rows: list[str]) -> str:
+    """Both tables docs/corrections-study.md quotes: held-out Pass@1 per correction and setting, then the
+    per-cell diagnostics."""
+    return pass_table(stats, settings, rows) + "\n\n" + diagnostics_table(stats, settings, rows)
+
+
+def ordered(stats: dict[str, dict[str, dict]]) -> tuple[list[str], list[str]]:
+    """The settings and rows that have runs, in the order of SETTINGS and ROWS."""
+    settings = [s for s in SETTINGS if s in stats]
+    return settings, [r for r in ROWS if any(r in stats[s] for s in settings)]
+
+
+def doc_tables(stats: dict[str, dict[str, dict]]) -> dict[str, str]:
+    """docs/corrections-study.md's two tables, by the name of their markers, from :func:`summarise`'s ``stats``."""
+    settings, rows = ordered(stats)
+    return {"corrections-pass-table": pass_table(stats, settings, rows),
+            "corrections-diagnostics-table": diagnostics_table(stats, settings, rows)}
 
 
 def plot(results: list[dict], path: Path, settings: list[str], rows: list[str]) -> None:
@@ -313,14 +339,18 @@ def main(argv: list[str] | None = None) -> None:
             results = [r for r in earlier if (r["setting"], r["row"], r["seed"]) not in keys] + results
     results = [deduplicated(r) for r in results]
     stats = summarise(results)
-    order_s = [s for s in SETTINGS if s in stats]
-    order_r = [r for r in ROWS if any(r in stats[s] for s in order_s)]
+    order_s, order_r = ordered(stats)
     write_curves(curves, {"config": str(CONFIG.relative_to(REPO_ROOT)), "max_tv": MAX_TV, "settings": settings,
                           "summary": stats, "runs": results})
     figure = args.out / "corrections_study.png"
     plot(results, figure, order_s, order_r)
     print(table(stats, order_s, order_r))
-    print(f"wrote {curves} and {figure}")
+    written = [str(curves), str(figure)]
+    if args.out.resolve() == OUT.resolve():  # the committed results: the doc quotes them
+        for name, text in doc_tables(stats).items():
+            write_table(DOC, name, text)
+        written.append(f"the tables in {DOC}")
+    print(f"wrote {', '.join(written)}")
 
 
 if __name__ == "__main__":

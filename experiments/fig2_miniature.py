@@ -41,7 +41,9 @@ fingerprint, a per-row summary, and every run's raw ``(step, value)`` series of 
 TV, syncs and swaps, ``wall_clock``: the ``(step, seconds)`` of every evaluation, and the run's wall time), the
 figure, and the runs' TensorBoard folders.
 Runs already finished in ``--out`` are kept, so an interrupted sweep picks up where it stopped. The script ends by
-printing the Markdown table (mean ± std over seeds) docs/miniature.md quotes.
+printing the full Markdown table (mean ± std over seeds, to three decimals) and, when ``--out`` is the committed
+results folder, rewriting the suite's table in docs/miniature.md (between its ``fig2-miniature-table`` or
+``fig2-paper-table`` markers) from the same summary.
 
     python experiments/fig2_miniature.py                              # the REC suite: all rows, seeds 0 1 2
     python experiments/fig2_miniature.py --suite paper                # Fig. 2's settings: 7 rows x 5 seeds
@@ -63,6 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from curves_file import CURVES_FILE, read_curves, write_curves
+from doc_tables import write_table
 from miniature_server import MiniatureServer, parameter_checksums
 from miniature_stats import mean_std, seconds_since_first, smooth, summary, table, wall_clock_curve
 
@@ -390,6 +393,64 @@ def plot_paper(results: list[dict], path: Path, rows: list[str], settings: dict)
     plt.close(fig)
 
 
+#: how docs/miniature.md's tables name the GRPO rows of both suites
+ROW_LABELS = {"v1-i1": "v1-i1 (on-policy)", "v1-i1-mask": "v1-i1 + eq. 8 mask", "v1-i1-eq8": "v1-i1 + eq. 8 as written",
+              "v10-i1": "v10-i1 (off-policy)", "v1-i10": "v1-i10 (sample reuse)",
+              "v10-i1-maxtv": f"v10-i1 + `max_tv` {MAX_TV}", "v1-i1-k1": "v1-i1, asynchronous K = 1",
+              "v10-i1-k1": "v10-i1, asynchronous K = 1"}
+DOC = REPO_ROOT / "docs" / "miniature.md"
+#: each suite's table in docs/miniature.md: the name of its markers
+DOC_TABLES = {"rec": "fig2-miniature-table", "paper": "fig2-paper-table"}
+
+
+def markdown_row(cells: list[str]) -> str:
+    """A Markdown table row; an empty cell is one space (``| |``), as the side-by-side table pads its columns."""
+    return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+
+def end_pass(s: dict) -> str:
+    """Held-out Pass@1 at the last evaluation, mean +- std over seeds, to two decimals."""
+    return f"{s['pass@1_end']:.2f} +- {s['pass@1_end_std']:.2f}"
+
+
+def rec_doc_table(stats: dict[str, dict]) -> str:
+    """docs/miniature.md's table of the rec suite (:func:`summary`'s ``stats``): the Table 1 rows on the left, the
+    REC family at v = 10 beside them, each row's held-out Pass@1 at the end."""
+    left = [[ROW_LABELS[row], end_pass(stats[row])] for row in TABLE1 if row in stats]
+    right = [[loss, end_pass(stats[f"{loss}-v10"])] for loss in REC_LOSSES if f"{loss}-v10" in stats]
+    blank = ["", ""]
+    lines = ["| row | Pass@1 | | row (all at v = 10) | Pass@1 |", "|---|---|---|---|---|"]
+    for i in range(max(len(left), len(right))):
+        cells = (left[i] if i < len(left) else blank) + [""] + (right[i] if i < len(right) else blank)
+        lines.append(markdown_row(cells))
+    return "\n".join(lines)
+
+
+def paper_doc_table(stats: dict[str, dict]) -> str:
+    """docs/miniature.md's table of the paper suite: held-out Pass@1 at the end (mean +- std), the worst seed and
+    the seconds from the first to the last evaluation (mean +- std). In bold: the highest Pass@1, and the fewest
+    seconds among the rows that sample a batch per optimizer step (v1-i10 samples a tenth of them, so its seconds
+    are not a rival's)."""
+    rows = [row for row in PAPER_ROWS if row in stats]
+    best = max(rows, key=lambda row: stats[row]["pass@1_end"])
+    timed = [row for row in rows if optimizer_steps_per_batch(PAPER_ROWS[row]) == 1
+             and stats[row].get("train_s") is not None]
+    fastest = min(timed, key=lambda row: stats[row]["train_s"]) if timed else None
+    lines = ["| row | Pass@1 | worst seed | seconds |", "|---|---|---|---|"]
+    for row in rows:
+        s = stats[row]
+        passed = end_pass(s)
+        seconds = "-" if s.get("train_s") is None else f"{s['train_s']:.0f} +- {s['train_s_std']:.0f}"
+        lines.append(markdown_row([ROW_LABELS[row], f"**{passed}**" if row == best else passed,
+                                   f"{s['pass@1_end_min']:.2f}", f"**{seconds}**" if row == fastest else seconds]))
+    return "\n".join(lines)
+
+
+def doc_table(suite: str, stats: dict[str, dict]) -> str:
+    """The table docs/miniature.md quotes from ``suite``'s summary."""
+    return rec_doc_table(stats) if suite == "rec" else paper_doc_table(stats)
+
+
 def rows_of(results: list[dict]) -> dict[str, list[dict]]:
     by_row: dict[str, list[dict]] = {}
     for r in results:
@@ -432,7 +493,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         plot_paper(results, figure, list(suite.rows), settings)
     print(table(stats))
-    print(f"wrote {curves} and {figure}")
+    written = [str(curves), str(figure)]
+    if args.out.resolve() == suite.out.resolve():  # the committed results: the doc quotes them
+        write_table(DOC, DOC_TABLES[suite.name], doc_table(suite.name, stats))
+        written.append(f"the table in {DOC}")
+    print(f"wrote {', '.join(written)}")
 
 
 if __name__ == "__main__":

@@ -33,13 +33,16 @@ def parameter_checksums(model_name: str, dtype: str = "float32") -> dict[str, st
 class MiniatureServer:
     """``with MiniatureServer(model, folder, baseline) as server:`` starts the server, waits until it listens,
     compares its weights with ``baseline`` (:func:`parameter_checksums`) and stops it on exit. ``server.url`` and
-    ``server.token_file`` go to the trainer's ``data.engine_options``."""
+    ``server.token_file`` go to the trainer's ``data.engine_options``. ``env`` is the server's environment
+    (default: this process's), so that it runs the kernels the trainer runs."""
 
-    def __init__(self, model_name: str, folder: Path, baseline: dict[str, str], timeout_s: float = 300.0) -> None:
+    def __init__(self, model_name: str, folder: Path, baseline: dict[str, str], timeout_s: float = 300.0,
+                 env: dict[str, str] | None = None) -> None:
         self.model_name = model_name
         self.folder = folder
         self.baseline = baseline
         self.timeout_s = timeout_s
+        self.env = env
         self.token_file = folder / "server_token"
         self.log_path = folder / "server.log"
         self.url: str | None = None
@@ -51,7 +54,8 @@ class MiniatureServer:
         self.token_file.chmod(0o600)
         cmd = [sys.executable, "-m", "lit_grpo", "serve", "--model", self.model_name, "--dtype", "float32",
                "--device", "cpu", "--threads", "1", "--port", "0", "--token-file", str(self.token_file)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        env = dict(os.environ if self.env is None else self.env, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   HF_HUB_OFFLINE="1")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True)
         try:

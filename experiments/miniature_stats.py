@@ -1,5 +1,6 @@
 """Seed statistics of the miniature Fig. 2 runs (``fig2_miniature.py``): curves averaged over seeds, against
-optimizer steps and against wall-clock seconds, per-row summaries and the Markdown table rows docs/miniature.md quotes.
+optimizer steps and against wall-clock seconds, per-row summaries and their full Markdown table (docs/miniature.md
+quotes a shorter one, ``doc_table`` of ``fig2_miniature.py``).
 
 A run is the dict ``fig2_miniature.py`` writes to ``curves.json.gz``: ``{"row", "seed", "wall_s", "series": {name:
 [(step, value), ...]}, "wall_clock": [(step, seconds), ...]}``, where ``wall_clock`` gives, for every Pass@1
@@ -86,5 +87,5 @@ def table_row(row: str, s: dict) -> str:
 
 
 def table(stats: dict[str, dict]) -> str:
-    """The Markdown table of a sweep (header, one row per entry of :func:`summary`), as docs/miniature.md quotes it."""
+    """The Markdown table of a sweep (header, one row per entry of :func:`summary`), every summary column."""
     return "\n".join([TABLE_HEADER, *(table_row(row, s) for row, s in stats.items())])

@@ -13,7 +13,7 @@ from lit_grpo.cli.early_checks import early_refusal
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo_cpu.yaml")
 NOT_LOADED = ("lightning", "transformers", "jsonargparse")
-BETA = "beta must be >= 0 (model.beta, the KL weight of eq. 7), got "
+BETA = "beta must be a number >= 0 (model.beta, the KL weight of eq. 7), got "
 LR = "optimizer.lr must be a finite number > 0, got "
 
 
@@ -72,11 +72,18 @@ def test_a_bad_beta_is_one_line_before_lightning_loads(source, tmp_path):
     (["--model.beta", "-1"], None),
     (["fit", "--config", "{good}"], None),
     (["fit", "--config", "{nested}"], None),
+    # a quoted value is a string the parser reads again as YAML: "true" is a bool, "null" null; a wrong one is refused
+    (["fit", "--config", "{quoted}"], None),
+    (["fit", "--config", "{quoted_bad}"], "model.packing expects a bool (true or false), got '1' (model.packing, in "
+                                          "{quoted_bad})"),
 ])
 def test_which_values_are_refused_early(args, expected, tmp_path):
     files = {"bad": "model:\n  beta: -0.5\n", "good": "model:\n  beta: 0.1\n", "ckpt": "ckpt_path: x.ckpt\n",
              "whole": "model: other.yaml\n", "nested": "fit:\n  model:\n    beta: -1\n",
-             "bad_lr": "model:\n  optimizer:\n    lr: -1.0e-3\n"}
+             "bad_lr": "model:\n  optimizer:\n    lr: -1.0e-3\n",
+             "quoted": 'model: {packing: "true", gradient_checkpointing: "false"}\n'
+                       'data: {micro_batch_tokens: "null"}\n',
+             "quoted_bad": 'model: {packing: "1"}\n'}
     paths = {name: write(tmp_path / f"{name}.yaml", text) for name, text in files.items()}
     refused = early_refusal([arg.format(**paths) for arg in args])
     assert (None if refused is None else f"{refused[0]} ({refused[1]})") == \

@@ -9,10 +9,13 @@ absent; ``tiny-random-llama`` is built in memory and leaves no trace). The rest 
 """
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import threading
 import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import lightning
@@ -100,6 +103,8 @@ IN_PROCESS = {
     "second_weight_sync_in_config": (["--config", "{root}/two_syncs.yaml"], False,
                                      ["the `sync` section already adds", "remove WeightSync from trainer.callbacks",
                                       "(trainer.callbacks, in {root}/two_syncs.yaml)"]),
+    # the length limit itself, not the overlong penalty's buffer that cannot fit in it
+    "no_new_tokens": flag("data.max_new_tokens", "0", "max_new_tokens must be >= 1, got 0"),
 }
 
 
@@ -162,3 +167,55 @@ def test_bad_value_in_process(name, tmp_path, monkeypatch, capsys):
     line = refusal_line(args, tmp_path, monkeypatch, capsys, may_load=may_load)
     for text in expected:
         assert text.format(root=tmp_path) in line
+
+
+class _Refusing(BaseHTTPRequestHandler):
+    """A rollout server that answers every request 401, as the project's server answers a wrong token."""
+
+    def _refuse(self) -> None:
+        body = json.dumps({"error": "missing or wrong token: send 'Authorization: Bearer <token>'"}).encode()
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _refuse
+
+    def log_message(self, *args: object) -> None:  # no request lines in the test's output
+        pass
+
+
+def test_a_server_refusing_the_token_is_a_wrong_token_not_a_server_to_start(tmp_path, monkeypatch, capsys):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        options = json.dumps({"url": url, "token": "not-the-servers"})
+        line = refusal_line(["fit", "--model.model_name", "tiny-random-llama", *TINY_RUN, "--data.engine", "server",
+                             "--data.engine_options", options], tmp_path, monkeypatch, capsys)
+    finally:
+        server.shutdown()
+    assert "the token is wrong" in line and f"rollout server {url}" in line and "returned 401" in line
+    assert "data.engine_options.token or token_file" in line and "Start it first" not in line
+    assert line.endswith("(data.engine_options, on the command line)")
+
+
+class _Missing:
+    """Lightning's requirement check of a package that is not installed (``RequirementCache`` is falsy)."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return "Requirement 'wandb>=0.12.10' not met. HINT: Try running `pip install -U 'wandb>=0.12.10'`"
+
+
+def test_a_logger_whose_package_is_missing_names_the_package_to_install(tmp_path, monkeypatch, capsys):
+    import lightning.pytorch.loggers.wandb as wandb_logger
+
+    monkeypatch.setattr(wandb_logger, "_WANDB_AVAILABLE", _Missing())  # as without wandb installed
+    line = refusal_line(["fit", "--model.model_name", "tiny-random-llama", "--trainer.logger", "WandbLogger"],
+                        tmp_path, monkeypatch, capsys)
+    assert line == ("error: trainer.logger WandbLogger needs the package wandb, which is not installed: "
+                    "pip install 'wandb>=0.12.10' (trainer.logger, on the command line)")

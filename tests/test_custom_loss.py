@@ -226,7 +226,7 @@ def test_each_loss_reads_its_own_section(name, options, config):
 def test_beta_is_no_option_of_a_section(no_model_loading):
     with pytest.raises(ValueError, match=r"loss_options.grpo \(GRPOOptions\) has no option\(s\) \['beta'\]"):
         build_loss("grpo", {"grpo": {"beta": 0.1}}, 0.0)
-    with pytest.raises(ValueError, match="beta must be >= 0"):
+    with pytest.raises(ValueError, match="beta must be a number >= 0"):
         build_loss("rec_ring", None, -0.5)
     # a bad value in a section is named by its section, though one options class serves several
     with pytest.raises(ValueError, match=r"^loss_options.rec_twoside_is: eps_low must be in \(0, 1\]"):

@@ -70,6 +70,27 @@ def test_summary_and_table_row_report_mean_std_and_worst_seed() -> None:
     assert table_row("b", stats["b"]).endswith("| 0.400 | 0.400 | - |")
 
 
+def cell(end: float, std: float, worst: float, seconds: float | None) -> dict:
+    return {"pass@1_end": end, "pass@1_end_std": std, "pass@1_end_min": worst, "train_s": seconds,
+            "train_s_std": None if seconds is None else 2.4}
+
+
+def test_the_docs_tables_round_to_two_decimals_and_bold_by_their_rules() -> None:
+    """The paper table bolds the highest Pass@1 and the fewest seconds among rows at i = 1: v1-i10, faster on the
+    clock because it samples a tenth of the batches, is not bolded; the rec table pads its shorter side."""
+    paper = {"v1-i1": cell(0.899, 0.0149, 0.8249, 83.0), "v1-i10": cell(0.79, 0.02, 0.75, 36.0),
+             "v1-i1-k1": cell(0.894, 0.01, 0.88, 68.4), "v10-i1-k1": cell(0.82, 0.02, 0.79, None)}
+    assert fig2.paper_doc_table(paper).splitlines()[2:] == [
+        "| v1-i1 (on-policy) | **0.90 +- 0.01** | 0.82 | 83 +- 2 |",
+        "| v1-i10 (sample reuse) | 0.79 +- 0.02 | 0.75 | 36 +- 2 |",
+        "| v1-i1, asynchronous K = 1 | 0.89 +- 0.01 | 0.88 | **68 +- 2** |",
+        "| v10-i1, asynchronous K = 1 | 0.82 +- 0.02 | 0.79 | - |"]
+    rec = {"v1-i1": cell(0.9, 0.01, 0.89, 80.0), "rec_ring-v10": cell(0.85, 0.02, 0.83, 82.0),
+           "red_drop-v10": cell(0.1, 0.13, 0.0, 85.0)}
+    assert fig2.rec_doc_table(rec).splitlines()[2:] == [
+        "| v1-i1 (on-policy) | 0.90 +- 0.01 | | rec_ring | 0.85 +- 0.02 |", "| | | | red_drop | 0.10 +- 0.13 |"]
+
+
 def test_swap_every_makes_s_plus_one_stages() -> None:
     assert fig2.swap_every(100, 3) == 25
     assert fig2.swap_every(8, 3) == 2

@@ -34,6 +34,36 @@ def test_group_advantages_eq2_population_std_with_eps_inside_sqrt():
     assert adv[2].tolist() == pytest.approx([-0.5 / d2] * 3 + [1.5 / d2])
 
 
+def test_group_advantages_bessel_is_trls_sample_std_with_eps_outside_sqrt():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 3.0, 3.0, 3.0], [0.0, 0.0, 0.0, 2.0]])
+    eps = 0.01
+    adv = group_advantages(rewards, eps=eps, std="bessel")
+    # group 0: mean 0.5, sum of squares 1.0 over G - 1 = 3 -> denominator sqrt(1/3) + eps
+    d0 = math.sqrt(1.0 / 3.0) + eps
+    assert adv[0].tolist() == pytest.approx([0.5 / d0, -0.5 / d0, -0.5 / d0, 0.5 / d0])
+    assert adv[1].tolist() == [0.0, 0.0, 0.0, 0.0]
+    # group 2: sum of squares 0.25 * 3 + 2.25 = 3.0 over 3 -> std 1
+    assert adv[2].tolist() == pytest.approx([-0.5 / (1 + eps)] * 3 + [1.5 / (1 + eps)])
+    # centring alone does not depend on the std's definition
+    assert torch.equal(group_advantages(rewards, scale=False, std="bessel"), group_advantages(rewards, scale=False))
+
+
+def test_group_advantages_refuses_an_unknown_std():
+    with pytest.raises(ValueError, match="std must be one of population, bessel, got 'sample'"):
+        group_advantages(torch.ones(1, 4), std="sample")
+
+
+def test_the_data_modules_advantage_std_names_are_the_maths():
+    """option_checks spells the names out (it imports no torch): they must stay the math's."""
+    from lit_grpo.data.option_checks import check_advantage_std
+    from lit_grpo.math.advantages import ADVANTAGE_STDS
+
+    for name in ADVANTAGE_STDS:
+        check_advantage_std(name)
+    with pytest.raises(ValueError, match="advantage_std must be one of population, bessel, got 'trl'"):
+        check_advantage_std("trl")
+
+
 def test_group_advantages_without_std_scaling_is_dr_grpo_centring():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
     assert group_advantages(rewards, scale=False)[0].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])

@@ -58,6 +58,12 @@ def two_ranks(tmp_path_factory):
                               micro_batch_tokens=200)
         packed["module"]["packing"] = True
         jobs.append(packed)
+        if strategy == "fsdp2":  # the head sharded in the root's unit, run in chunks of 5 of its 100 tokens
+            index[(strategy, "chunked")] = len(jobs)
+            chunked = equality_job(True, "token_mean", 1, str(root / f"{strategy}-chunked.pt"), strategy,
+                                   micro_batch_size=2)  # the first micro-batch's backward without a reduction
+            chunked["module"]["head_chunk_mb"] = 5.5 * 4 * 100 / 2**20
+            jobs.append(chunked)
         index[(strategy, "v1")] = len(jobs)
         jobs.append(dict(strategy=strategy, v=1, max_steps=3, data=dict(prompts_per_step=1,
                                                                         reuse_policy_logprobs=False)))
@@ -109,6 +115,17 @@ def test_two_ranks_one_prompt_each_equal_one_rank_with_both(two_ranks, tmp_path,
     two = ranks[0][index[(strategy, "equal", mask, aggregation)]]
     assert_two_ranks_equal_one_rank(two, root / f"{strategy}-{mask}-{aggregation}.pt", mask, aggregation, tmp_path, 4)
     assert two["sharded"] == (strategy == "fsdp2")
+
+
+def test_fsdp2_with_the_head_in_chunks_equals_one_rank_with_the_full_logits(two_ranks, tmp_path):
+    """FSDP2 with the head's weights sharded (the root's unit, resharded after each forward): the policy's and
+    pi_ref's passes in 5-token chunks (``model.head_chunk_mb``) keep the root gathered until the chunks and their
+    backward are done, and the update equals one process's with the full logits (its default at this vocabulary),
+    2 micro-batches a rank: the first one's gradients kept unreduced."""
+    root, index, ranks = two_ranks
+    two = ranks[0][index[("fsdp2", "chunked")]]
+    assert two["sharded"]
+    assert_two_ranks_equal_one_rank(two, root / "fsdp2-chunked.pt", True, "token_mean", tmp_path, 2)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -4,12 +4,14 @@ step-based: Lightning's epoch bar read ``Epoch 0/-2``), and gives way to a bar o
 Lightning's litlogger tip, nor the logger's version in the bar, nor the model summary's FLOPs (0: Lightning counts them
 over an example input)."""
 
+import re
 import sys
 from pathlib import Path
 
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from lit_grpo.cli.progress import StepProgressBar, default_progress_bar
+from lit_grpo.engines import progress
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,6 +21,7 @@ def test_a_fit_shows_steps_out_of_max_steps_and_no_noise(tmp_path, monkeypatch, 
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["lit_grpo"])  # LightningCLI reads sys.argv too; keep pytest's out of it
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.0)  # every decode step reported: these generations are short
     cli = train(["fit", "--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--model.model_name", "tiny-random-llama",
                  "--trainer.max_steps", "3", "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
                  "--trainer.logger.save_dir", str(tmp_path), "--trainer.callbacks", "[]",
@@ -42,6 +45,38 @@ def test_a_fit_shows_steps_out_of_max_steps_and_no_noise(tmp_path, monkeypatch, 
     # none of, they read 0 (the update's FLOPs are logged as train/update_flops)
     assert "Total params" in captured.out + captured.err
     assert "FLOPs" not in captured.out + captured.err
+    # while a batch's rollouts are sampled, the bar says how far the generation is (2 prompts x 2 completions)
+    shown = [int(done) for done in re.findall(r"step \(generating: (\d)/4 sequences, \d+ tokens\)", captured.out)]
+    assert shown and all(0 <= done < 4 for done in shown)
+    assert bar.train_progress_bar.desc == "step"  # and no longer once it is done
+    assert not progress._listeners  # the bar stopped listening at the end of the fit
+
+
+def test_a_slow_step_shows_seconds_per_step_not_zero_steps_per_second():
+    from tqdm import tqdm
+
+    line = tqdm.format_meter(1, 150, 420.0, bar_format=StepProgressBar.BAR_FORMAT, prefix="step")
+    assert "420.00s/it" in line and "0.00it/s" not in line
+    assert "2.00it/s" in tqdm.format_meter(2, 150, 1.0, bar_format=StepProgressBar.BAR_FORMAT, prefix="step")
+
+
+def test_a_generation_reports_at_most_once_per_interval_and_only_to_listeners(monkeypatch):
+    reports = []
+    silent = progress.Reporter(4, interval_s=0.0)
+    silent.update(1, lambda: 1 / 0)  # nobody listens: the token count is not even asked for
+    stop = progress.listen(reports.append)
+    try:
+        reporter = progress.Reporter(4, interval_s=0.0)
+        reporter.update(1, lambda: 7)
+        reporter.update(3, lambda: 20)
+        reporter.done(lambda: 25)
+        throttled = progress.Reporter(4, interval_s=3600.0)
+        throttled.update(2, lambda: 9)
+        throttled.done(lambda: 10)  # nothing was shown: nothing to clear
+    finally:
+        stop()
+    assert [(r.sequences_done, r.sequences, r.tokens) for r in reports] == [(1, 4, 7), (3, 4, 20), (4, 4, 25)]
+    assert not progress._listeners
 
 
 def test_the_default_bar_gives_way_to_a_given_bar_or_to_none():

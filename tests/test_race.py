@@ -110,3 +110,57 @@ def test_the_table_gives_each_rows_ratio_to_trl():
     ours_line = next(line for line in text.splitlines() if line.startswith("| lit_grpo, on-policy"))
     assert "| 400 s |" in trl_line and "| 0.600 ± 0.000 | 0.600 ± 0.000 |" in trl_line
     assert "| 50 s | 0.12x |" in ours_line  # step 5 at 10 s/step, against TRL's step 10 at 40 s/step
+
+
+@pytest.mark.parametrize(("precision", "effective"), [("32", "no"), ("bf16", "bf16")])
+def test_trl_runs_in_the_precision_the_race_states(tmp_path, precision, effective):
+    """TRL's GRPOConfig turns bf16 on when it is left unset, and accelerate then autocasts every TRL forward on a CPU
+    to bfloat16: the race sets the precision itself, and the trainer TRL builds reports the one asked for."""
+    from datasets import Dataset
+    from side_trl import EFFECTIVE_PRECISION, checked_precision, grpo_config
+    from trl import GRPOTrainer
+
+    from lit_grpo.models.loading import load_model_and_tokenizer
+
+    config = RaceConfig(side="trl", task=TASK, steps=1, eval_every=1, prompts_per_step=1, num_generations=2,
+                        precision=precision)
+    args = grpo_config(config, str(tmp_path))
+    assert (args.bf16, args.fp16) == (precision == "bf16", False)
+    model, tokenizer = load_model_and_tokenizer("tiny-random-llama", "float32")
+    model.save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    model.config._name_or_path = str(tmp_path / "policy")
+    dataset = Dataset.from_list([{"prompt": "abc"}, {"prompt": "abd"}])
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                          train_dataset=dataset, processing_class=tokenizer)
+    assert trainer.accelerator.mixed_precision == effective == EFFECTIVE_PRECISION[precision]
+    assert checked_precision(trainer, config) == effective
+    with pytest.raises(RuntimeError, match="mixed precision"):
+        checked_precision(trainer, RaceConfig(side="trl", task=TASK, precision="bf16" if precision == "32" else "32"))
+
+
+def committed_runs(row_prefix: str) -> list[tuple[Path, dict]]:
+    import json
+
+    results = Path(__file__).resolve().parents[1] / "experiments" / "results" / "race"
+    return [(p, json.loads(p.read_text())) for p in sorted(results.glob(f"*/{row_prefix}*_seed*.json"))]
+
+
+def test_every_committed_trl_run_records_its_precision():
+    """Each committed TRL run names its options, bf16 and fp16 among them, and what accelerate ran: float32 rows
+    (``precision`` 32) with mixed precision ``no``, bf16 rows (their own label) with ``bf16``."""
+    runs = committed_runs("trl")
+    assert runs, "no committed TRL run"
+    for path, run in runs:
+        precision = run["config"].get("precision")
+        assert precision in ("32", "bf16"), f"{path.name}: no precision recorded"
+        expected = {"32": (False, "no"), "bf16": (True, "bf16")}[precision]
+        assert (run["trl_options"].get("bf16"), run.get("trl_effective_precision")) == expected, path
+        assert run["trl_options"].get("fp16") is False, path
+        assert run["row"] == ("trl" if precision == "32" else "trl-bf16"), path
+
+
+def test_both_sides_of_the_committed_race_whiten_alike():
+    """The race uses TRL's advantage (Bessel-corrected std) on the lit_grpo side too."""
+    for path, run in committed_runs("ours"):
+        assert run["config"].get("advantage_std") == "bessel", path

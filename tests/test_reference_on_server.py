@@ -14,10 +14,11 @@ import pytest
 import torch
 from server_process import ServerProcess
 
-from lit_grpo.core.scoring import completion_logprobs
+from lit_grpo.core.packing import packed_layout_kind
+from lit_grpo.core.scoring import completion_logprobs, layout_logprobs
 from lit_grpo.data.datamodule import RolloutDataModule
 from lit_grpo.data.producer import RolloutProducer
-from lit_grpo.data.rollout import pad_rollouts
+from lit_grpo.data.rollout import collate_rollouts, pad_rollouts
 from lit_grpo.data.server_reference import ServerReference
 from lit_grpo.engines.base import Completion, ReferenceServing
 from lit_grpo.engines.remote.client import Rollouts, ServerEngine
@@ -112,6 +113,54 @@ def test_the_server_scores_the_pushed_reference_exactly_as_the_trainer_would(ser
     engine.reference_version = "4"
     with pytest.raises(ServerError, match="pi_ref version '3', not '4'"):
         engine.score_reference(micro_batches, *padded.completion_ids.shape, temperature=0.7)
+    engine.close()
+
+
+def shared_prefix_groups():
+    """3 prompts x 4 completions: each group's completions start with the same turn (as multi-turn trajectories
+    that sampled it alike), then differ in tokens and length; the third group has the first one's prompt."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [[5, 9, 11, 2], [7, 3], [5, 9, 11, 2]]
+    groups = []
+    for g in range(3):
+        turn = torch.randint(3, 100, (3 + 2 * g,), generator=generator).tolist()
+        group = []
+        for j in range(4):
+            ids = turn + torch.randint(3, 100, ((5 * j + 3 * g) % 9 + 1,), generator=generator).tolist()
+            group.append(Completion(ids, [-1.0] * len(ids), truncated=False, versions=("0",)))
+        groups.append(group)
+    return prompts, groups
+
+
+def test_padded_scoring_of_the_server_and_of_kept_weights_equals_the_trainers_packed_tree(server, tiny,
+                                                                                          one_thread):
+    """Under ``model.packing`` the trainer cuts its micro-batches by the prefix tree's cost and scores each as one
+    tree, while the server's pi_ref scoring and the kept weights' recompute of alpha run the padded micro-batches
+    (``PaddedRollouts.micro_batches``): another cut and another forward, the same values within 1e-5 (float32)."""
+    model, _ = tiny
+    assert packed_layout_kind(model) == "packed_tree"
+    engine = engine_for(server, tiny)
+    reference = scaled_copy(model, 1.05)
+    engine.load_reference(reference.named_parameters(), "5")
+    prompts, groups = shared_prefix_groups()
+    budget = 128
+    asked = ServerReference(engine, pad_token_id=0, micro_batch_size=4, temperature=0.7, micro_batch_tokens=budget)
+    got, version = asked(prompts, Rollouts(groups)).reference
+    assert version == "5"
+    padded = pad_rollouts(prompts, groups, pad_token_id=0, micro_batch_size=4, micro_batch_tokens=budget)
+    batch = collate_rollouts(padded, [0.0] * padded.completion_ids.shape[0])
+    trainer_cut = list(batch.micro_batches(layout="packed_tree"))
+    assert ([mb.rows.tolist() for mb in trainer_cut]
+            != [mb.rows.tolist() for mb in padded.micro_batches()])  # the server was sent another cut
+    with torch.no_grad():
+        kept = layout_logprobs(reference, padded, 0.7)  # the kept weights' (and in-process engine's) path
+        for mb in trainer_cut:
+            tree, _ = completion_logprobs(reference, mb, 0.7, packed=True)
+            real = mb.completion_mask.bool()
+            for theirs in (mb.take(got), mb.take(kept)):
+                assert (theirs[real] - tree[real]).abs().max() <= 1e-5
+            policy, _ = completion_logprobs(model, mb, 0.7, packed=True)
+            assert (mb.take(got)[real] - policy[real]).abs().max() > 1e-3  # pi_ref, not the served policy
     engine.close()
 
 

@@ -344,3 +344,44 @@ def test_high_entropy_mask_equals_trls():
         ours = high_entropy_mask(data["entropy"], data["mask"], rho)
         assert torch.equal(ours, theirs), rho
     assert math.isfinite(float(data["entropy"][data["mask"].bool()].max()))
+
+
+#: rewards of three groups of 8: a spread with ties, a zero-variance group, one outlier
+PARITY_REWARDS = [0.0, 1.0, 1.0, 0.0, 0.5, 0.0, 1.0, 0.25] + [1.0] * 8 + [0.0] * 7 + [3.0]
+
+
+def trl_advantages(tmp_path: Path, rewards: list[float], group: int) -> torch.Tensor:
+    """The advantages TRL's own ``_generate_and_score_completions`` computes (``scale_rewards="group"``) for
+    ``rewards``, given by a reward function in the completions' order (a tiny model samples the completions)."""
+    from datasets import Dataset
+
+    from lit_grpo.models.loading import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-random-llama", "float32")
+    model.save_pretrained(tmp_path / "policy")  # TRL's reference and its checks read the model's path
+    tokenizer.save_pretrained(tmp_path / "policy")
+    model.config._name_or_path = str(tmp_path / "policy")
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, fp16=False, report_to="none",
+                      per_device_train_batch_size=len(rewards), num_generations=group, max_completion_length=4,
+                      scale_rewards="group", beta=0.0, steps_per_generation=1, gradient_accumulation_steps=1,
+                      log_completions=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: rewards[: len(completions)], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "ab"}]), processing_class=tokenizer)
+    prompts = [{"prompt": p} for p in ("ab", "cd", "ef")[: len(rewards) // group] for _ in range(group)]
+    return trainer._generate_and_score_completions(prompts)["advantages"].detach().cpu()
+
+
+def test_advantages_equal_trls(tmp_path):
+    """``data.advantage_std: bessel`` gives TRL's advantages (Bessel-corrected std, eps outside the square root);
+    eq. 2's population std (the default) is sqrt(G / (G - 1)) larger on every group with a spread, and 0 on the
+    zero-variance group alike."""
+    from lit_grpo.math.advantages import group_advantages
+
+    trl_values = trl_advantages(tmp_path, PARITY_REWARDS, 8)
+    rewards = torch.tensor(PARITY_REWARDS).view(3, 8)
+    bessel = group_advantages(rewards, std="bessel").view(-1)
+    assert torch.allclose(bessel, trl_values, atol=1e-6, rtol=0)
+    population = group_advantages(rewards).view(-1)
+    spread = torch.tensor([True] * 8 + [False] * 8 + [True] * 8)
+    assert torch.allclose(population[spread] / trl_values[spread], torch.full((16,), math.sqrt(8 / 7)), rtol=2e-4)
+    assert not population[~spread].any() and not trl_values[~spread].any()

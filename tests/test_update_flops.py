@@ -10,7 +10,10 @@ from lit_grpo.callbacks import WeightSync
 from scripted_engine import ScriptedDataModule
 from torch import nn
 
+from lit_grpo.core.batch import MicroBatch
+from lit_grpo.core.prefix_tree import tree_token_count
 from lit_grpo.training.flops import (
+    fed_tokens,
     model_flops_utilisation,
     parameter_count,
     peak_flops_for,
@@ -41,6 +44,35 @@ def test_processed_tokens_by_hand():
     prompt_mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
     completion_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
     assert processed_tokens(prompt_mask, completion_mask).item() == 5 + 6
+
+
+def shared_prefix_micro_batch() -> MicroBatch:
+    """One prompt of 3 real tokens (5 6 7, left-padded to 4) and 4 completions sharing prefixes: 10 11 12 13 14,
+    10 11 9 8, 10 15 16 and the first one again."""
+    pad = 0
+    rows = [[10, 11, 12, 13, 14], [10, 11, 9, 8, pad], [10, 15, 16, pad, pad], [10, 11, 12, 13, 14]]
+    lengths = [5, 4, 3, 5]
+    return MicroBatch(prompt_ids=torch.tensor([[pad, 5, 6, 7]]), prompt_mask=torch.tensor([[0, 1, 1, 1]]),
+                      prompt_index=torch.zeros(4, dtype=torch.long), completion_ids=torch.tensor(rows),
+                      completion_mask=torch.tensor([[1] * n + [0] * (5 - n) for n in lengths]), rows=slice(0, 4))
+
+
+def test_fed_tokens_by_hand_count_a_prefix_trees_nodes_not_its_budget():
+    mb = shared_prefix_micro_batch()
+    # the rows fed are prompt + completion[:-1]: 5 6 7 10 11 12 13, 5 6 7 10 11 9, 5 6 7 10 15 and the first again.
+    # As a tree: the prompt (3), then 10 11 12 13 (4), 9 off 11 (1), 15 off 10 (1); the duplicate adds none
+    assert fed_tokens([mb], "packed_tree").item() == 3 + 4 + 1 + 1
+    # the budget's bound subtracts no shared completion prefix: the prompt once, then 4 + 3 + 2 + 4
+    assert int(tree_token_count(mb)) == 3 + 13
+    # prompt copies: every row with its own prompt, (3 + 4) + (3 + 3) + (3 + 2) + (3 + 4)
+    assert fed_tokens([mb], "packed").item() == 25
+    # padded: the prompt once, every completion column but the last (width 5) of each row, 4 + 4 + 3 + 4
+    assert fed_tokens([mb], "padded").item() == 3 + 15
+    # two micro-batches add up
+    assert fed_tokens([mb, mb], "packed_tree").item() == 2 * 9
+    assert fed_tokens([mb], "packed_tree").dtype == torch.float64
+    with pytest.raises(ValueError, match="layout must be .*got 'tree'"):
+        fed_tokens([mb], "tree")
 
 
 def test_update_flops_by_hand():
@@ -129,3 +161,41 @@ def test_no_mfu_on_a_cpu_without_a_set_peak(tmp_path):
     trainer.fit(module, datamodule=tiny_data(cls=ScriptedDataModule))
     assert "train/mfu" not in recorder.steps[0]
     assert recorder.steps[0]["train/update_flops"] > 0
+
+
+def tree_nodes_by_hand(batch, micro_batch_size: int) -> int:  # noqa: ANN001
+    """Per slice of ``micro_batch_size`` rows, the nodes of its prefix tree: the distinct non-empty prefixes of the
+    rows' ``prompt + completion[:-1]`` token sequences (a trie has one node per distinct prefix)."""
+    total = 0
+    for start in range(0, batch.num_sequences, micro_batch_size):
+        prefixes = set()
+        for row in range(start, min(start + micro_batch_size, batch.num_sequences)):
+            prompt = batch.prompt_ids[batch.group_index[row]][batch.prompt_mask[batch.group_index[row]].bool()]
+            completion = batch.completion_ids[row][batch.completion_mask[row].bool()]
+            if completion.numel() == 0:
+                continue
+            sequence = tuple(prompt.tolist() + completion[:-1].tolist())
+            prefixes.update(sequence[:k] for k in range(1, len(sequence) + 1))
+        total += len(prefixes)
+    return total
+
+
+@pytest.mark.filterwarnings("ignore:model.packing")  # the rows of micro_batch_size, unbudgeted, are what is counted
+def test_a_packed_tree_fit_counts_the_nodes_it_fed(tmp_path):
+    """The scripted engine gives a prompt with an even token sum G identical completions, and the others
+    completions that share their first tokens: the tree runs each shared prefix once, and the FLOPs count that."""
+    recorder = BatchRecorder()
+    module = tiny_module(beta=0.1, iterations_per_batch=2, packing=True, peak_flops=1e9)
+    assert module.micro_batch_layout == "packed_tree"
+    n = sum(p.numel() for p in module.policy.parameters())
+    trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[WeightSync(every_n_batches=1), recorder])
+    trainer.fit(module, datamodule=tiny_data(cls=ScriptedDataModule, micro_batch_size=4))
+    shared = False
+    for step, batch in zip(recorder.steps, recorder.batches, strict=True):
+        nodes = tree_nodes_by_hand(batch, 4)
+        bound = sum(int(tree_token_count(mb)) for mb in batch.micro_batches(layout="packed_tree"))
+        shared = shared or nodes < bound
+        expected = (6 * 2 + 2 + 2) * n * nodes  # i = 2 policy passes, pi_ref's and the TV-after-update pass
+        assert step["train/update_flops"] == pytest.approx(expected, rel=1e-6)
+        assert step["train/padded_fraction"] == 0.0
+    assert shared  # completions shared prefixes: the bound would have overstated the work

@@ -119,7 +119,8 @@ def train(config: RaceConfig, server_cpus: set[int] | None = None) -> Path:
               "server_cpus": sorted(server_cpus) if server_cpus else None,
               "trainer_cpus": sorted(os.sched_getaffinity(0)),
               "train_seconds": {int(k): v for k, v in record["train_seconds"].items()},
-              "train_steps": record["steps"], "trl_options": record.get("trl_options"), "eval": {}}
+              "train_steps": record["steps"], "trl_options": record.get("trl_options"),
+              "trl_effective_precision": record.get("trl_effective_precision"), "eval": {}}
     out.write_text(dumps(result))
     print(f"trained {config.row} seed {config.seed}: {result['train_seconds']}", flush=True)
     return out

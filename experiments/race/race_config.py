@@ -42,6 +42,10 @@ def reward(completion: str, row: dict[str, Any]) -> float:
     return score_completion(completion, row)
 
 
+#: ``RaceConfig.precision`` -> lit_grpo's Lightning precision; TRL's options are in ``side_trl.PRECISION_OPTIONS``
+PRECISIONS: dict[str, str] = {"32": "32-true", "bf16": "bf16-mixed"}
+
+
 @dataclass(frozen=True)
 class RaceConfig:
     """One row of the race: the task, the shared hyper-parameters, and what differs between rows (``side``,
@@ -66,6 +70,11 @@ class RaceConfig:
     sync_every: int = 1                     # v
     max_staleness: int = 0                  # K (ours with the project's server only)
     threads: int = 1
+    #: the numerics both sides run in: ``32`` (float32: lit_grpo ``32-true``, TRL ``bf16=False, fp16=False``) or
+    #: ``bf16`` (lit_grpo ``bf16-mixed``, TRL ``bf16=True``: bf16 autocast over float32 weights on both sides)
+    precision: str = "32"
+    #: eq. 2's std: ``bessel`` is TRL's (Bessel-corrected, eps outside the root), so both sides whiten alike
+    advantage_std: str = "bessel"
     eval_questions: int = 64
     eval_samples: int = 4
     eval_seed: int = 1234
@@ -75,16 +84,21 @@ class RaceConfig:
             raise ValueError(f"side {self.side!r}; expected ours or trl")
         if self.side == "trl" and (self.sync_every != 1 or self.max_staleness != 0):
             raise ValueError("the TRL row is on-policy: sync_every 1 and max_staleness 0")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}; expected one of {', '.join(PRECISIONS)}")
+        if self.side == "trl" and self.advantage_std != "bessel":
+            raise ValueError("the TRL row whitens with the Bessel-corrected std: advantage_std bessel")
         if self.steps % self.eval_every:
             raise ValueError(f"steps ({self.steps}) must be a multiple of eval_every ({self.eval_every})")
 
     @property
     def row(self) -> str:
         """The row's name: ``trl``, ``ours``, ``ours-v4`` (v = 4), ``ours-k1`` (K = 1, server)."""
+        suffix = "" if self.precision == "32" else f"-{self.precision}"
         if self.side == "trl":
-            return "trl"
+            return "trl" + suffix
         return "ours" + (f"-v{self.sync_every}" if self.sync_every > 1 else "") + (
-            f"-k{self.max_staleness}" if self.max_staleness else "")
+            f"-k{self.max_staleness}" if self.max_staleness else "") + suffix
 
     @property
     def eval_steps(self) -> list[int]:

@@ -18,9 +18,20 @@ THRESHOLDS: dict[str, float] = {"letter_counting": 0.5, "spell_backward": 0.2, "
 #: what the curves plot: the task's own score (``score_answer``, in [0, 1], partial credit included), the reward
 #: both sides train on; ``accuracy`` is the share of completions scored above 0.5
 METRIC = "mean_score"
-ROW_ORDER = ("trl", "ours", "ours-v4", "ours-k1")
+ROW_ORDER = ("trl", "ours", "ours-v4", "ours-k1", "trl-bf16", "ours-bf16")
 ROW_NAMES = {"trl": "TRL GRPOTrainer, on-policy", "ours": "lit_grpo, on-policy (v = 1)",
-             "ours-v4": "lit_grpo, off-policy (v = 4)", "ours-k1": "lit_grpo, asynchronous (K = 1, server)"}
+             "ours-v4": "lit_grpo, off-policy (v = 4)", "ours-k1": "lit_grpo, asynchronous (K = 1, server)",
+             "trl-bf16": "TRL GRPOTrainer, on-policy, bf16", "ours-bf16": "lit_grpo, on-policy (v = 1), bf16"}
+#: the ratio column of a row compares it with the TRL row of the same precision
+BASELINE = {row: "trl-bf16" if row.endswith("-bf16") else "trl" for row in ROW_ORDER}
+
+
+def precision_of(run: dict[str, Any]) -> str:
+    """What the run computed in: lit_grpo's Lightning precision, or TRL's options and what accelerate reported."""
+    precision = run["config"].get("precision", "32")
+    if run["row"].startswith("trl"):
+        return f"bf16={precision == 'bf16'}, accelerate `{run.get('trl_effective_precision')}`"
+    return "32-true" if precision == "32" else "bf16-mixed"
 BEGIN, END = "<!-- race-table -->", "<!-- /race-table -->"
 
 
@@ -65,13 +76,14 @@ def table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
                   f"{config['prompts_per_step']} prompts x {config['num_generations']}, held-out score on "
                   f"{config['eval_questions']} test questions x {config['eval_samples']} samples; time to "
                   f"a held-out score of {threshold}:", "",
-                  "| row | seeds | score, step 0 | score, last step | exact, last step | s / step | time to "
-                  f"{threshold} (median) | vs TRL | peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
-        trl_time = None
-        if "trl" in rows:
-            times = [t for t in (time_to(r, threshold) for r in rows["trl"]) if t is not None]
-            trl_time = statistics.median(times) if times else None
+                  "| row | precision | seeds | score, step 0 | score, last step | exact, last step | s / step | "
+                  f"time to {threshold} (median) | vs TRL | peak RSS |", "|---|---|---|---|---|---|---|---|---|---|"]
+        baseline_time: dict[str, float | None] = {}
+        for baseline in set(BASELINE.values()) & set(rows):
+            times = [t for t in (time_to(r, threshold) for r in rows[baseline]) if t is not None]
+            baseline_time[baseline] = statistics.median(times) if times else None
         for row in [r for r in ROW_ORDER if r in rows]:
+            trl_time = baseline_time.get(BASELINE[row])
             group = sorted(rows[row], key=lambda r: r["config"]["seed"])
             last = str(config["steps"])
             finals = [r["eval"][last][METRIC] for r in group]
@@ -87,8 +99,9 @@ def table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
             measured = [r["peak_rss_mib"] for r in group if r.get("peak_rss_mib")]  # recorded by later runs
             rss = f"{statistics.median(measured) / 1024:.1f} GiB" if measured else "not recorded"
             seeds = ", ".join(str(r["config"]["seed"]) for r in group)
-            lines.append(f"| {ROW_NAMES[row]} | {seeds} | {start:.3f} | {mean_sd(finals)} | {mean_sd(exact)} | "
-                         f"{per_step:.1f} | {when} | {ratio} | {rss} |")
+            precision = " / ".join(sorted({precision_of(r) for r in group}))
+            lines.append(f"| {ROW_NAMES[row]} | {precision} | {seeds} | {start:.3f} | {mean_sd(finals)} | "
+                         f"{mean_sd(exact)} | {per_step:.1f} | {when} | {ratio} | {rss} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -99,7 +112,8 @@ def figure(runs: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"trl": "tab:red", "ours": "tab:blue", "ours-v4": "tab:green", "ours-k1": "tab:purple"}
+    colors = {"trl": "tab:red", "ours": "tab:blue", "ours-v4": "tab:green", "ours-k1": "tab:purple",
+              "trl-bf16": "tab:orange", "ours-bf16": "tab:cyan"}
     tasks = sorted(runs)
     fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.6 * len(tasks)), squeeze=False)
     for (by_step, by_time), task in zip(axes, tasks):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from race_config import RaceConfig, system_prompt_of
+from race_config import PRECISIONS, RaceConfig, system_prompt_of
 from race_weights import TrainingClock
 
 
@@ -60,10 +60,10 @@ def train(config: RaceConfig, weights_dir: Path, server: tuple[str, str] | None 
         num_generations=config.num_generations, micro_batch_size=config.micro_batch_size,
         max_new_tokens=config.max_new_tokens, temperature=config.temperature,
         system_prompt=system_prompt_of(config.prompt, config.task), engine=engine, engine_options=engine_options,
-        max_staleness=config.max_staleness, seed=config.seed,
+        max_staleness=config.max_staleness, seed=config.seed, advantage_std=config.advantage_std,
     )
     trainer = L.Trainer(
-        max_steps=config.steps, accelerator="cpu", devices=1, precision="32-true", logger=False,
+        max_steps=config.steps, accelerator="cpu", devices=1, precision=PRECISIONS[config.precision], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=str(weights_dir), callbacks=[WeightSync(every_n_batches=config.sync_every), Saver()],
     )

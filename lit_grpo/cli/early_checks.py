@@ -17,13 +17,14 @@ parser surely refuses it too.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from lit_grpo.cli.option_hints import option_hint
 from lit_grpo.cli.option_table import OPTIONS
-from lit_grpo.cli.option_types import GROUP, read_text, type_refusal, unknown_key
+from lit_grpo.cli.option_types import GROUP, parser_yaml, type_refusal, unknown_key
 from lit_grpo.cli.sources import SUBCOMMANDS, config_files, lookup, read_yaml
 
 
@@ -154,15 +155,19 @@ def command_line_refusal(rest: list[str]) -> tuple[str, str] | None:
             if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
                 continue  # no value: the parser says so
             text = rest[i + 1]
-        if name in OPTIONS and (refused := type_refusal(name, OPTIONS[name], read_text(text), text)):
+        if name in OPTIONS and (refused := type_refusal(name, OPTIONS[name], text)):
             return refused, f"{name}, on the command line"
     return None
 
 
 def file_refusal(path: str) -> tuple[str, str] | None:
     """``(message, where)`` of the first key of a ``--config`` file that is unknown or has a value of the wrong type
-    (a file that is not a mapping of sections, or holds a checkpoint or subcommand, is the parser's)."""
-    data = read_yaml(path)
+    (a file that is not a mapping of sections, or holds a checkpoint or subcommand, is the parser's). The file is read
+    as the parser reads it; a null is left to LightningCLI (its parser does not type-check a config file's null)."""
+    try:
+        data = parser_yaml(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None  # the parser says why
     if not isinstance(data, dict) or any(part in data for part in ("ckpt_path", *SUBCOMMANDS)):
         return None
 
@@ -176,7 +181,7 @@ def file_refusal(path: str) -> tuple[str, str] | None:
                 if isinstance(value, dict) and not {"class_path", "init_args"} & set(value):
                     if (found := walk(value, key)) is not None:
                         return found
-            elif entry is not None and (refused := type_refusal(key, entry, value)):
+            elif entry is not None and value is not None and (refused := type_refusal(key, entry, value)):
                 return refused, f"{key}, in {path}"
         return None
 

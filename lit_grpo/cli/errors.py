@@ -12,6 +12,7 @@ import sys
 import warnings
 from argparse import ArgumentError
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -21,6 +22,7 @@ from lightning.pytorch.cli import LightningCLI
 from lit_grpo.cli.commands import UsageError, debug, fail, one_line
 from lit_grpo.cli.hooks import key_of_parse_error, object_under_construction
 from lit_grpo.cli.option_hints import option_hint
+from lit_grpo.cli.resume import LAST, checkpoint_folders, describe, latest_checkpoint
 from lit_grpo.cli.sources import where
 from lit_grpo.core.checkpoints import Checkpoint, CheckpointError
 from lit_grpo.data.sampler_check import SamplerMismatchError
@@ -67,13 +69,25 @@ held_back = HeldBack()
 
 class OneLineErrorsCLI(LightningCLI):
     """A LightningCLI whose bad values raise :class:`~lit_grpo.cli.commands.UsageError` naming the config key and
-    where its value came from; a subclass raises one for values of its own in ``before_instantiate_classes``."""
+    where its value came from; a subclass raises one for values of its own in ``before_instantiate_classes``, and
+    turns a failure of the subcommand it runs into one in :meth:`run_failure`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         argv = kwargs.get("args")  # as typed, to tell where a value came from (LightningCLI reads sys.argv if None)
         self._argv = [str(a) for a in argv] if isinstance(argv, (list, tuple)) else sys.argv[1:] if argv is None else []
         self._checkpoint: Checkpoint | None = None
-        super().__init__(*args, **kwargs)
+        self._resumed_last: Path | None = None  # what `ckpt_path last` resolved to (lit_grpo.cli.resume)
+        try:  # LightningCLI parses, builds and runs the subcommand here
+            super().__init__(*args, **kwargs)
+        except Exception as err:
+            usage = self.run_failure(err) if not isinstance(err, UsageError) else None
+            if usage is None:
+                raise
+            raise usage from err
+
+    def run_failure(self, err: Exception) -> UsageError | None:
+        """The one-line error for ``err``, raised while the subcommand ran (None: it stays as it is)."""
+        return None
 
     def init_parser(self, **kwargs: Any):  # noqa: ANN201
         kwargs.setdefault("exit_on_error", False)  # raised, not printed with the 80-line usage
@@ -89,6 +103,8 @@ class OneLineErrorsCLI(LightningCLI):
             hint = option_hint(message, list(map(str, (self._parser(sub) if sub else parser).get_defaults().keys())))
             raise UsageError(message + (f"; {hint}" if hint else ""), self._where(key)) from err
         ckpt_path = self._subcommand_config().get("ckpt_path") if self.config.get("subcommand") else None
+        if str(ckpt_path) == LAST and self.config.get("subcommand") == "fit":
+            ckpt_path = self._resolve_last()
         if ckpt_path and str(ckpt_path) not in _CKPT_KEYWORDS and "://" not in str(ckpt_path):
             try:  # read before LightningCLI loads it, and merges its hyperparameters, with a traceback
                 self._checkpoint = Checkpoint(ckpt_path)
@@ -102,6 +118,22 @@ class OneLineErrorsCLI(LightningCLI):
                                  self._where("ckpt_path")) from err
         held_back.start()
 
+    def _resolve_last(self) -> str | None:
+        """``fit``'s ``ckpt_path last``: the run's newest checkpoint over every version of its folder
+        (:mod:`lit_grpo.cli.resume`), put in the config as if named; None, after one line, when there is none."""
+        config = self._subcommand_config()
+        try:
+            folders = checkpoint_folders(config.get("trainer"))
+        except ValueError as err:
+            raise UsageError(str(err), self._where("ckpt_path")) from err
+        found = latest_checkpoint(folders)
+        self._resumed_last = found
+        config["ckpt_path"] = None if found is None else str(found)
+        if found is None:  # Lightning's own line would say to set save_last, which is not what is missing
+            print(f"ckpt_path last: no checkpoint in {describe(folders)}; the fit starts from the beginning",
+                  file=sys.stderr)
+        return config["ckpt_path"]
+
     def instantiate_classes(self) -> None:
         try:  # a subclass refuses values of its own before, in before_instantiate_classes
             super().instantiate_classes()
@@ -110,6 +142,9 @@ class OneLineErrorsCLI(LightningCLI):
             chain = [err]
             while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and inner not in chain:
                 chain.append(inner)
+            missing = missing_package(str(err))  # before the causes: the class's own error is a long union error
+            if missing is not None:
+                raise UsageError(missing[1], self._where(missing[0])) from err
             for cause in chain:
                 if isinstance(cause, _USAGE_ERRORS) and (key := self._raised_by(cause)) is not None:
                     raise UsageError(str(cause), self._where(key)) from err
@@ -148,6 +183,24 @@ class OneLineErrorsCLI(LightningCLI):
         """``key`` and where its value came from: the command line or the last config file setting it. A group
         (``model``, a callback of trainer.callbacks) is named with all the sources, unless ``exact``."""
         return where(self._argv, key, self.subcommands(), _GROUPS.values(), exact=exact)
+
+
+#: jsonargparse's words for a class whose package is missing (Lightning's loggers check their requirement when built)
+_MISSING_REQUIREMENT = re.compile(r"class_path '(?P<path>[\w.]+)':\s+Requirement '(?P<requirement>[^']+)' not met")
+
+
+def missing_package(message: str) -> tuple[str | None, str] | None:
+    """``(config key, one line)`` for an error that says a class of the config needs a package that is not
+    installed (``--trainer.logger WandbLogger`` without ``wandb``), with the install command; None for any other."""
+    match = _MISSING_REQUIREMENT.search(message)
+    if match is None:
+        return None
+    path, requirement = match["path"], match["requirement"]
+    package = re.split(r"[<>=!~\[;\s]", requirement, maxsplit=1)[0]
+    module, _, name = path.rpartition(".")
+    key = "trainer.logger" if ".loggers" in module else "trainer.callbacks" if ".callbacks" in module else None
+    return key, (f"{key + ' ' if key else ''}{name} needs the package {package}, which is not installed: "
+                 f"pip install '{requirement}'")
 
 
 def report_usage_errors(build: Callable[[], T]) -> T:

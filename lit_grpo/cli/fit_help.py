@@ -23,6 +23,7 @@ FIT_OPTIONS: list[tuple[str, str, str]] = [
     ("--model.iterations_per_batch", "1", "i: updates on each rollout batch"),
     ("--model.loss", "grpo", "grpo, gspo, cispo, the REC / RED / REP family (docs/losses.md)"),
     ("--model.lora", "null", "LoRA adapters instead of every weight, {r: 8} (docs/lora.md)"),
+    ("--model.head_chunk_mb", "256.0", "the lm head's chunk of tokens, MiB of logits (null: all at once)"),
     ("--model.optimizer.lr", "1.0e-06", "AdamW's learning rate"),
     ("--data.dataset", "bundled", "bundled (GSM8K), a jsonl/parquet file, a Hub id, synthetic:TASK"),
     ("--data.prompts_per_step", "2", "prompts per rollout batch per process"),

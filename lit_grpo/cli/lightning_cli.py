@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import time
 import warnings
 from typing import Any
@@ -27,6 +28,8 @@ from lit_grpo.cli.errors import OneLineErrorsCLI, held_back, report_usage_errors
 from lit_grpo.cli.hooks import build_model_last
 from lit_grpo.cli.predict import PredictOptions, prediction_rows, predictions, write_jsonl
 from lit_grpo.cli.progress import default_progress_bar, without_flops_summary
+from lit_grpo.cli.resume import continue_version
+from lit_grpo.cli.run_failures import last_checkpoint, served_models, server_error_in, server_failure_line
 from lit_grpo.core.checkpoints import CheckpointError
 from lit_grpo.core.quiet import one_line_warnings, quiet_lightning
 from lit_grpo.data.datamodule import RolloutDataModule
@@ -279,8 +282,31 @@ class GRPOCLI(OneLineErrorsCLI):
             checkpoint.check_fits(self.model.checkpoint_layout(), strict=self.model.strict_loading)
         except CheckpointError as err:
             raise UsageError(str(err), self._where("ckpt_path")) from err
+        if self._resumed_last is not None:  # `ckpt_path last`: log on in the version it resumes
+            self._continue_version(self._resumed_last, checkpoint.meta)
         self._checkpoint = None  # Lightning reads the file itself; no need to keep it mapped during training
         held_back.stop()
+
+    def run_failure(self, err: Exception) -> UsageError | None:
+        """A rollout server's failure once ``fit`` runs: one line (:mod:`lit_grpo.cli.run_failures`) naming the
+        server, the step and the checkpoint to resume from."""
+        failure = server_error_in(err)
+        trainer = getattr(self, "trainer", None)
+        if failure is None or trainer is None or self.subcommand != "fit":
+            return None
+        engine = getattr(self.datamodule, "rollout_engine", None)
+        line = server_failure_line(failure, trainer.global_step, str(self.model.hparams.get("model_name")),
+                                   [s.url for s in getattr(engine, "servers", None) or []], served_models(engine),
+                                   last_checkpoint(trainer, self._subcommand_config().get("ckpt_path")))
+        return UsageError(line, self._where("data.engine_options"))
+
+    def _continue_version(self, path: Any, meta: dict) -> None:
+        why_not = continue_version(self.trainer.loggers, path, meta)
+        if why_not is not None:
+            warnings.warn(why_not, stacklevel=1)
+            return
+        # the folder holds the stopped run's checkpoints: that is what a resume expects, not a mistake to warn of
+        warnings.filterwarnings("ignore", message=f"Checkpoint directory {re.escape(str(path.parent))} exists")
 
     def before_validate(self) -> None:
         """The checkpoint is read by the subcommand itself (its policy only, any layout): nothing to check."""

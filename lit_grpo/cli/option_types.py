@@ -5,14 +5,16 @@ and the training stack: seconds): the table :data:`lit_grpo.cli.option_table.OPT
 An option's entry is ``"group"`` (a section of options, each in the table), ``"any"`` (a value this module does not
 judge: a class, a list, a dict, a linked option) or the alternatives its type hint accepts, joined by ``|``:
 ``int``, ``float``, ``bool``, ``str``, ``null`` and literal values as Python writes them (``'constant'``, ``64``).
-:func:`type_refusal` refuses only what the parser surely refuses too, so an early refusal and LightningCLI's agree.
-Imports nothing heavy.
+:func:`type_refusal` refuses only what the parser surely refuses too, so an early refusal and LightningCLI's agree:
+a value is judged as the parser reads it (:func:`parser_yaml`; a string given for a bool, number or null option is
+read again as YAML, typed on the command line or quoted in a config file). Imports nothing heavy.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
+import re
 import types
 import typing
 from pathlib import Path, PurePath
@@ -40,35 +42,68 @@ def describe(hint: Any) -> str:
     return ANY
 
 
-def _accepts(alternative: str, value: object, text: str | None) -> bool:
-    """Whether the parser may accept ``value`` (as YAML reads it; ``text`` is how it was typed, None in a file) for
-    one alternative of an entry."""
+class _ParserLoader(yaml.SafeLoader):
+    """YAML as LightningCLI's parser (jsonargparse) reads it, its config files and the strings given for a bool,
+    number or null option alike: jsonargparse's loader drops YAML 1.1's dates (``2024-01-01`` stays text) and reads
+    floats as YAML 1.2 does (``1e-3`` and ``1.0e5`` are numbers, text to YAML 1.1). Its resolvers are set below,
+    copied from that loader, so that a value reads here as it does there."""
+
+
+_DROPPED = ("tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:float")
+_ParserLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _DROPPED]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_ParserLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+    [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+
+
+def parser_yaml(text: str) -> object:
+    """``text`` read as YAML the way LightningCLI's parser reads it (raises ``yaml.YAMLError`` where it is not)."""
+    return yaml.load(text, Loader=_ParserLoader)
+
+
+def _readings(value: object) -> list[object]:
+    """What the parser may make of ``value`` for a bool, number or null option. It reads a string (typed on the
+    command line, or quoted in a config file: the parser treats both alike) again as YAML, so ``"true"`` is a bool
+    and ``"null"`` null. Python's reading of a number is kept too: it is the parser's first reading of plain digits,
+    and where Python takes more (``nan``, ``1_0``) the value is only left to the parser, never refused early."""
+    if not isinstance(value, str):
+        return [value]
+    readings = [value]
+    try:
+        readings.append(parser_yaml(value))
+    except yaml.YAMLError:
+        pass
+    for kind in (int, float):
+        try:
+            readings.append(kind(value))
+        except ValueError:
+            pass
+    return readings
+
+
+def _accepts(alternative: str, readings: list[object]) -> bool:
+    """Whether the parser may accept a value read as ``readings`` (:func:`_readings`) for one alternative of an
+    entry."""
     if alternative == "str":
         return True  # the parser takes any scalar's text as a str
     if alternative == "null":
-        return value is None
+        return any(reading is None for reading in readings)
     if alternative == "bool":
-        return isinstance(value, bool) or (text or "").lower() in ("true", "false")
+        return any(isinstance(reading, bool) for reading in readings)
+    numbers = [r for r in readings if isinstance(r, (int, float)) and not isinstance(r, bool)]
     if alternative == "int":
-        if isinstance(value, bool):
-            return False
-        if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
-            return True
-        return isinstance(value, str) and _parses(int, value)
+        return any(isinstance(number, int) or number.is_integer() for number in numbers)
     if alternative == "float":
-        if isinstance(value, bool):
-            return False
-        return isinstance(value, (int, float)) or (isinstance(value, str) and _parses(float, value))
+        return bool(numbers)
     literal = ast.literal_eval(alternative)
-    return value == literal and isinstance(value, bool) == isinstance(literal, bool) or text == str(literal)
-
-
-def _parses(kind: type, text: str) -> bool:
-    try:
-        kind(text)
-    except ValueError:
-        return False
-    return True
+    return any(reading == literal for reading in readings)  # the parser's ``in``: 16.0 is the literal 16
 
 
 def _kind(entry: str) -> str:
@@ -82,20 +117,16 @@ def _kind(entry: str) -> str:
     return " or ".join(names)
 
 
-def type_refusal(key: str, entry: str, value: object, text: str | None = None) -> str | None:
-    """The one-line refusal of ``value`` for option ``key`` (table entry ``entry``; ``text``: its command-line
-    text, whose YAML reading ``value`` is), or None where the parser may accept it."""
-    if entry in (GROUP, ANY) or any(_accepts(alternative, value, text) for alternative in entry.split("|")):
+def type_refusal(key: str, entry: str, value: object) -> str | None:
+    """The one-line refusal of ``value`` for option ``key`` (table entry ``entry``; ``value``: the text typed on the
+    command line, or a config file's value as :func:`parser_yaml` reads it), or None where the parser may accept
+    it."""
+    if entry in (GROUP, ANY):
         return None
-    return f"{key} expects {_kind(entry)}, got {text if text is not None else value!r}"
-
-
-def read_text(text: str) -> object:
-    """A command-line value as the parser reads it first: YAML, or the text itself where it is not YAML."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+    readings = _readings(value)
+    if any(_accepts(alternative, readings) for alternative in entry.split("|")):
+        return None
+    return f"{key} expects {_kind(entry)}, got {value!r}"
 
 
 def unknown_key(key: str, options: dict[str, str]) -> bool:

@@ -5,7 +5,10 @@ default bars, which count batches of an epoch out of ``max_epochs``, read ``Epoc
 over the prompts. This bar counts ``trainer.global_step`` (the optimizer steps, the unit of ``max_steps``, also
 with several optimizer steps per rollout batch) across epochs, from where a resumed run starts. A fit without
 ``max_steps`` gets Lightning's epoch bar unchanged. Either way the bar shows the run's numbers (the reward), not the
-logger's version (``v_num``), which is the run's folder name and no measurement.
+logger's version (``v_num``), which is the run's folder name and no measurement. A step slower than a second shows
+its seconds per step (``420.00s/it``, where Lightning's format shows ``0.00it/s``), and while the in-process engine
+samples a batch's rollouts the bar's description says how far it is (``step (generating: 96/128 sequences, 2,113
+tokens)``, at most once a second: ``lit_grpo.engines.progress``).
 
 The model summary printed at the start of a fit is Lightning's without its FLOPs column and total
 (:class:`ModelSummaryWithoutFlops`): Lightning counts them over a forward of the module's ``example_input_array``,
@@ -16,6 +19,7 @@ logged as ``train/update_flops`` (``lit_grpo/training/flops.py``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,6 +29,8 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
     get_formatted_model_size,
     get_human_readable_count,
 )
+
+from lit_grpo.engines.progress import GenerationProgress, listen
 
 DESCRIPTION = "step"
 #: the progress bar's entry that names the logger's version, not a measurement of the run
@@ -38,7 +44,13 @@ log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
 
 
 class StepProgressBar(TQDMProgressBar):
-    """A ``TQDMProgressBar`` whose training bar is ``step n/max_steps``, kept across epochs."""
+    """A ``TQDMProgressBar`` whose training bar is ``step n/max_steps``, kept across epochs, with the rate in
+    seconds per step when a step takes more than a second (Lightning's bar shows ``0.00it/s`` for a 7-minute
+    step), and the progress of a long generation in its description while the batch's rollouts are sampled."""
+
+    # Lightning's format with tqdm's rate_fmt (s/it below one step a second) for its rate_noinv_fmt (always it/s)
+    BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+    _stop_listening: Callable[[], None] | None = None
 
     @property
     def train_description(self) -> str:
@@ -52,6 +64,8 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        if self.is_enabled and self._stop_listening is None:
+            self._stop_listening = listen(self.show_generation)
         if counts_steps(trainer):
             bar = self.train_progress_bar
             bar.total = trainer.max_steps
@@ -71,6 +85,32 @@ class StepProgressBar(TQDMProgressBar):
         if self.is_enabled:
             _show(bar, trainer.global_step)
             bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def show_generation(self, progress: GenerationProgress) -> None:
+        """The training bar's description while a generation runs (:mod:`lit_grpo.engines.progress`): sequences and
+        tokens done; back to the plain description when it ends."""
+        bar = getattr(self, "_train_progress_bar", None)
+        if bar is None or bar.disable:
+            return
+        base = self.train_description
+        if progress.sequences_done >= progress.sequences:
+            bar.set_description_str(base, refresh=True)
+        else:
+            bar.set_description_str(f"{base} (generating: {progress.sequences_done}/{progress.sequences} sequences, "
+                                f"{progress.tokens:,} tokens)", refresh=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_generation_display()
+        super().on_train_end(trainer, pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_generation_display()
+        super().on_exception(trainer, pl_module, exception)
+
+    def _stop_generation_display(self) -> None:
+        stop, self._stop_listening = self._stop_listening, None
+        if stop is not None:
+            stop()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not counts_steps(trainer):

@@ -79,6 +79,7 @@ class RolloutBatch:
     rollout_step: int = 0  # optimizer step whose policy weights the engine held when sampling
     advantage_eps: float = 1e-4  # how the advantages were whitened (eq. 2), for losses that recompute them
     scale_rewards: bool = True
+    advantage_std: str = "population"  # eq. 2's population std, or TRL's Bessel-corrected one (group_advantages)
     stats: dict[str, float] = field(default_factory=dict)
     #: [S, C] the model's own tokens in multi-turn trajectories (the environment's tokens are 0); None: single-turn,
     #: every completion token is the model's (``token_mask`` is the one to read)
@@ -96,8 +97,11 @@ class RolloutBatch:
     def micro_batches(self, parts: int | None = None, layout: str = "padded") -> Iterator[MicroBatch]:
         """Slices of ``micro_batch_size`` completions, in order, or with ``micro_batch_tokens`` the token-budget
         micro-batches (``parts`` of them when given: what sharded ranks agree on; ``layout``: costed as fed, padded
-        or in the packed layout ``model.packing`` feeds); the same cut everywhere keeps scoring by the rollout
-        engine and by the policy bit-for-bit comparable."""
+        or in the packed layout ``model.packing`` feeds). A rollout server's pi_ref scoring and an engine's
+        recompute of alpha always take the padded ones (``PaddedRollouts.micro_batches``) and the padded forward:
+        unpacked, that is the trainer's own cut and pass, so their numbers equal the policy's bit for bit at one
+        thread; packed, the trainer's pass (and, under a token budget, its cut) differs, and the values agree
+        within float tolerance (1e-5 in float32; ``MicroBatch.take`` reads them by row, so any cut lines up)."""
         return micro_batch_views(self.prompt_ids, self.prompt_mask, self.group_index, self.completion_ids,
                                  self.completion_mask, self.micro_batch_size, self.loss_mask,
                                  self.micro_batch_tokens, parts, layout)
@@ -137,8 +141,8 @@ def micro_batch_views(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group
     prompts it needs and trimmed of the padding no row of it uses: contiguous slices of ``micro_batch_size``
     completions, or with ``micro_batch_tokens`` the rows sorted by length and cut by that budget of padded tokens,
     costed as ``layout`` feeds them (``lit_grpo.core.micro_batch_plan.LAYOUTS``; exactly ``parts`` micro-batches
-    when given). A rollout server scoring pi_ref gets exactly these micro-batches, so its numbers line up with the
-    trainer's."""
+    when given). A rollout server scoring pi_ref and an engine recomputing alpha get the padded ones: the trainer's
+    own micro-batches unless ``model.packing`` packs them (see ``RolloutBatch.micro_batches``)."""
     num_sequences = int(completion_ids.shape[0])
     if micro_batch_tokens is None:
         selections: list[slice | torch.Tensor] = [slice(start, min(start + micro_batch_size, num_sequences))

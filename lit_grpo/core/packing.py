@@ -36,6 +36,7 @@ once (:mod:`lit_grpo.core.prefix_tree`); :func:`packed_layout_kind` says which a
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 
@@ -43,8 +44,17 @@ import torch
 from torch import nn
 
 from lit_grpo.core.batch import MicroBatch, real_lengths
-from lit_grpo.core.prefix_tree import tree_layout, tree_logits, tree_supported, tree_token_count
-from lit_grpo.math.logprobs import differentiable_entropy, selective_log_softmax_with_normaliser, token_entropy
+from lit_grpo.core.chunked_head import (
+    DEFAULT_HEAD_CHUNK_MB,
+    final_hidden,
+    head_chunk_tokens,
+    head_gathered,
+    head_logprobs,
+    hidden_only,
+)
+from lit_grpo.core.chunked_head import unwrapped_model as _unwrapped
+from lit_grpo.core.prefix_tree import tree_forward, tree_layout, tree_supported, tree_token_count
+from lit_grpo.math.logprobs import logprobs_and_entropy
 
 #: attention implementations whose transformers code path separates packed sequences by their position ids
 PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -53,20 +63,6 @@ _PACKED_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mas
 #: layer kinds whose only state across tokens is attention (a recurrent or convolutional layer would carry one
 #: sequence's state into the next)
 _ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The transformers model inside DDP, ``torch.compile`` or PEFT wrappers."""
-    for _ in range(8):
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
-            break
-    return model
 
 
 def packing_supported(model: nn.Module) -> str | None:
@@ -146,12 +142,13 @@ def packed_layout_kind(model: nn.Module) -> str:
 
 def packed_completion_logprobs(
     model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False,
-    layout: str | None = None,
+    layout: str | None = None, head_chunk_mb: float | None = DEFAULT_HEAD_CHUNK_MB,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`lit_grpo.core.scoring.completion_logprobs` from one packed forward without padding, in ``layout``
     (``"packed_tree"`` or ``"packed"``; None: the one :func:`packed_layout_kind` picks): ``log softmax(logits /
     T)`` of each completion token, ``[s, C']``, and optionally the entropy (with its gradient when
-    ``entropy_grad``), through the same functions of :mod:`lit_grpo.math.logprobs`.
+    ``entropy_grad``), through the same functions of :mod:`lit_grpo.math.logprobs`. Past ``head_chunk_mb`` MiB of
+    float32 logits the head runs in chunks of tokens from the final hidden states (:mod:`lit_grpo.core.chunked_head`).
 
     Padded positions (``completion_mask == 0``) hold 0 in both outputs, where the padded path holds whatever the
     model predicts after a pad token; every caller masks them (``MicroBatch.loss_mask`` is within
@@ -168,28 +165,34 @@ def packed_completion_logprobs(
         if (why := tree_supported(_unwrapped(model).config)) is not None:
             raise ValueError(f"packed_tree layout: {why}")
         tree = tree_layout(mb)
-        targets = tree.targets
-        if targets.numel() == 0:
-            return logp, entropy
-        logits = tree_logits(model, _unwrapped(model).config._attn_implementation, tree)
+        targets, keep = tree.targets, tree.keep
     else:
         input_ids, position_ids, keep, targets = packed_layout(mb)
-        if keep.numel() == 0:
-            return logp, entropy
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=None,  # packed sequences are detected only without a 2D mask
-            position_ids=position_ids,
-            use_cache=False,  # and only without a cache
-            logits_to_keep=keep,  # the lm head runs on the N predicting positions only
-        ).logits
-    values, normaliser = selective_log_softmax_with_normaliser(logits, targets[None], temperature)
+    if targets.numel() == 0:
+        return logp, entropy
+    chunk = head_chunk_tokens(model, head_chunk_mb)
+    chunked = chunk is not None and targets.numel() > chunk
+    # the lm head runs on the N predicting positions only: inside the forward, or on the hidden states in chunks
+    head = hidden_only(targets.device) if chunked else {"logits_to_keep": keep}
+    # gathered on both branches alike under FSDP2 (see lit_grpo.core.scoring.completion_logprobs)
+    with head_gathered(model) if chunk is not None else contextlib.nullcontext():
+        if layout == "packed_tree":
+            out = tree_forward(model, _unwrapped(model).config._attn_implementation, tree, **head)
+        else:
+            out = model(
+                input_ids=input_ids,
+                attention_mask=None,  # packed sequences are detected only without a 2D mask
+                position_ids=position_ids,
+                use_cache=False,  # and only without a cache
+                **head,
+            )
+        if chunked:
+            values, ent = head_logprobs(model, final_hidden(out)[:, keep], targets[None], temperature, chunk,
+                                        with_entropy, entropy_grad)
+        else:
+            values, ent = logprobs_and_entropy(out.logits, targets[None], temperature, with_entropy, entropy_grad)
     real = mb.completion_mask.bool()
     logp = logp.to(values.dtype).masked_scatter(real, values[0])
-    if with_entropy and entropy_grad:
-        ent = differentiable_entropy(logits, temperature, normaliser)
-    elif with_entropy:
-        ent = token_entropy(logits.detach(), temperature, normaliser)
     if with_entropy:
         entropy = entropy.to(ent.dtype).masked_scatter(real, ent[0])
     return logp, entropy

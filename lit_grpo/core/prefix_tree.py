@@ -20,9 +20,12 @@ path's numbers, within kernel rounding. Which attention implementations take suc
 * ``sdpa``: a ``[1, 1, T, T]`` boolean mask (True = attend);
 * ``eager``: the same as an additive mask (0 where attended, the dtype's minimum elsewhere), which its
   ``attn_weights + attention_mask`` expects;
-* ``flex_attention``: a ``BlockMask`` from the same rule as a ``mask_mod``, built from ``subtree_end`` alone
-  (``O(T)`` memory; fully masked blocks are skipped). torch 2.13 runs flex attention's forward on a CPU but not its
-  backward: a gradient pass with flex needs an accelerator.
+* ``flex_attention``: a ``BlockMask`` from the same rule as a ``mask_mod``, built from ``subtree_end``; attention
+  then skips the fully masked blocks. Building it is not ``O(T)``: ``create_block_mask`` without compilation (as
+  here) evaluates the rule on every (query, key) pair, materialising the dense ``T x T`` boolean mask once (torch
+  2.13's ``create_mask``) before it keeps only the blocks' indices, so its peak memory is sdpa's mask's (not compiled
+  here: ``torch.compile(create_block_mask)``, torch's way to fuse that step away, is untested on a GPU). torch 2.13
+  runs flex attention's forward on a CPU but not its backward: a gradient pass with flex needs an accelerator.
 * flash attention takes no mask (only ``cu_seqlens`` of disjoint sequences): it keeps the copies layout, as does a
   model with sliding-window or chunked layers, whose own window a custom mask would replace
   (:func:`tree_supported`).
@@ -30,7 +33,8 @@ path's numbers, within kernel rounding. Which attention implementations take suc
 Cost: ``T`` = the tree's nodes, at most ``sum over distinct prompts of their length + sum over rows of (completion
 - 1)`` (what :func:`lit_grpo.core.micro_batch_plan.tree_tokens` budgets), against the copies layout's ``sum over
 rows of (prompt + completion - 1)``. With sdpa and eager the mask is dense (``T x T``) and attention's work grows as
-``T^2``, as in the copies layout; flex pays only for the blocks that attend.
+``T^2``, as in the copies layout; flex's attention pays only for the blocks that attend (its mask is built dense,
+above).
 """
 
 from __future__ import annotations
@@ -151,17 +155,18 @@ def model_attention_mask(attn: str, dtype: torch.dtype, subtree_end: torch.Tenso
     return allowed
 
 
-def tree_logits(model: nn.Module, attn: str, layout: TreeLayout) -> torch.Tensor:
-    """Logits ``[1, N, V]`` of the layout's predicting nodes from one forward of ``model`` (attention
-    implementation ``attn``) over the tree; no cache: the mask is the only thing keeping branches apart."""
+def tree_forward(model: nn.Module, attn: str, layout: TreeLayout, **head: object) -> object:
+    """One forward of ``model`` (attention implementation ``attn``) over the tree, its output; ``head`` says where
+    the lm head runs (``logits_to_keep``, and ``output_hidden_states`` for the chunked head of
+    :mod:`lit_grpo.core.chunked_head`). No cache: the mask is the only thing keeping branches apart."""
     mask = model_attention_mask(attn, model.get_input_embeddings().weight.dtype, layout.subtree_end)
     return model(
         input_ids=layout.input_ids,
         attention_mask=mask,
         position_ids=layout.position_ids,
         use_cache=False,
-        logits_to_keep=layout.keep,  # the lm head runs on the N predicting nodes only
-    ).logits
+        **head,
+    )
 
 
 def tree_token_count(mb: MicroBatch) -> torch.Tensor:

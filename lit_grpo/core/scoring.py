@@ -12,8 +12,16 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from lit_grpo.core.batch import MicroBatch
 from lit_grpo.core.cache_argument import cache_kwarg, output_cache
+from lit_grpo.core.chunked_head import (
+    DEFAULT_HEAD_CHUNK_MB,
+    final_hidden,
+    head_chunk_tokens,
+    head_gathered,
+    head_logprobs,
+    hidden_only,
+)
 from lit_grpo.core.packing import packed_completion_logprobs
-from lit_grpo.math.logprobs import differentiable_entropy, selective_log_softmax_with_normaliser, token_entropy
+from lit_grpo.math.logprobs import logprobs_and_entropy
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -23,7 +31,7 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def completion_logprobs(
     model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False,
-    packed: bool = False,
+    packed: bool = False, head_chunk_mb: float | None = DEFAULT_HEAD_CHUNK_MB,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(logits / T)`` of each completion token, shape ``[s, C']``, and optionally the entropy (with
     its gradient when ``entropy_grad``: an entropy bonus; else a detached statistic).
@@ -38,33 +46,54 @@ def completion_logprobs(
 
     ``packed``: the same numbers (within 1e-5 in float32) from one packed row without padding
     (:func:`lit_grpo.core.packing.packed_completion_logprobs`).
+
+    ``head_chunk_mb``: when the micro-batch's logits (``s x C' x V`` in float32) exceed this many MiB, the head runs
+    on chunks of tokens that fit it, from the final hidden states, and no full logits exist
+    (:mod:`lit_grpo.core.chunked_head`); the same numbers within 1e-5 in float32. None: the full logits always
+    (also for a model the chunked head does not handle).
     """
     if packed:
-        return packed_completion_logprobs(model, mb, temperature, with_entropy, entropy_grad)
+        return packed_completion_logprobs(model, mb, temperature, with_entropy, entropy_grad,
+                                          head_chunk_mb=head_chunk_mb)
+    chunk = head_chunk_tokens(model, head_chunk_mb)
+    # with chunks on, FSDP2 ranks keep the head's unit gathered on both branches alike, so that ranks whose
+    # micro-batches take different branches (one fits a chunk, the other does not) make the same collectives
+    with head_gathered(model) if chunk is not None else contextlib.nullcontext():
+        if chunk is None or mb.completion_ids.numel() <= chunk:
+            return _full_logits_logprobs(model, mb, temperature, with_entropy, entropy_grad)
+        if checkpointing_drops_cache(model):
+            hidden = _forward_without_cache(model, mb, hidden=True)
+        else:
+            hidden = torch.cat([h for h, _ in _forward_with_shared_prompt(model, mb, hidden=True)], dim=1)
+        return head_logprobs(model, hidden, mb.completion_ids, temperature, chunk, with_entropy, entropy_grad)
+
+
+def _full_logits_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool,
+                          entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`completion_logprobs` from the full logits of each piece (``head_chunk_mb`` None, the reference)."""
     if checkpointing_drops_cache(model):
-        pieces = [(_logits_without_cache(model, mb), mb.completion_ids)]
+        pieces = [(_forward_without_cache(model, mb), mb.completion_ids)]
     else:
-        pieces = _logits_with_shared_prompt(model, mb)
+        pieces = _forward_with_shared_prompt(model, mb)
     # one piece at a time: concatenating the logits would copy the largest tensor of the update
     logps, entropies = [], []
     for logits, tokens in pieces:
-        logp, normaliser = selective_log_softmax_with_normaliser(logits, tokens, temperature)
+        logp, entropy = logprobs_and_entropy(logits, tokens, temperature, with_entropy, entropy_grad)
         logps.append(logp)
-        if with_entropy and entropy_grad:
-            entropies.append(differentiable_entropy(logits, temperature, normaliser))
-        elif with_entropy:
-            entropies.append(token_entropy(logits.detach(), temperature, normaliser))
+        entropies.append(entropy)
     return torch.cat(logps, dim=1), torch.cat(entropies, dim=1) if with_entropy else None
 
 
-def layout_logprobs(model: nn.Module, layout: object, temperature: float) -> torch.Tensor:
+def layout_logprobs(model: nn.Module, layout: object, temperature: float,
+                    head_chunk_mb: float | None = DEFAULT_HEAD_CHUNK_MB) -> torch.Tensor:
     """``[S, C]`` float32 log-probs of a padded layout's completions (a ``RolloutBatch`` or the padded rollouts it
     is built from: ``completion_ids`` and ``micro_batches()``), micro-batch by micro-batch as the trainer lays them
-    out, so that an engine's recompute of alpha and the trainer's own pass see the same shapes; 0 on padding."""
+    out, so that an engine's recompute of alpha and the trainer's own pass see the same shapes (and, at the default
+    ``head_chunk_mb``, the same chunks); 0 on padding."""
     ids = layout.completion_ids  # type: ignore[attr-defined]
     out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     for mb in layout.micro_batches():  # type: ignore[attr-defined]
-        logp, _ = completion_logprobs(model, mb, temperature)
+        logp, _ = completion_logprobs(model, mb, temperature, head_chunk_mb=head_chunk_mb)
         out[mb.rows, : logp.shape[1]] = logp
     return out
 
@@ -81,34 +110,40 @@ def checkpointing_drops_cache(model: nn.Module) -> bool:
     return model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
-def _logits_without_cache(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """Logits predicting each completion token from one forward over ``prompt + completion[:-1]`` per row."""
+def _forward_without_cache(model: nn.Module, mb: MicroBatch, hidden: bool = False) -> torch.Tensor:
+    """Logits predicting each completion token (with ``hidden``: the final hidden states that predict it) from one
+    forward over ``prompt + completion[:-1]`` per row."""
     completion_len = mb.completion_ids.shape[1]
     input_ids = torch.cat([mb.prompt_ids[mb.prompt_index], mb.completion_ids[:, :-1]], dim=1)
     full_mask = torch.cat([mb.prompt_mask[mb.prompt_index], mb.completion_mask[:, :-1]], dim=1)
     # the last C' positions: the last prompt token, then every completion token but the last
-    return model(
+    out = model(
         input_ids=input_ids,
         attention_mask=full_mask,
         position_ids=positions_from_mask(full_mask),
         use_cache=False,
-        logits_to_keep=completion_len,
-    ).logits
+        **(hidden_only(input_ids.device) if hidden else {"logits_to_keep": completion_len}),
+    )
+    return final_hidden(out)[:, -completion_len:] if hidden else out.logits
 
 
-def _logits_with_shared_prompt(model: nn.Module, mb: MicroBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The same logits, with one prompt forward per distinct prompt and its KV cache shared by the rows, as
-    ``(logits, tokens they predict)`` pieces: the first completion token (from the prompt pass), then the rest."""
+def _forward_with_shared_prompt(model: nn.Module, mb: MicroBatch,
+                                hidden: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same logits (or final hidden states), with one prompt forward per distinct prompt and its KV cache shared
+    by the rows, as ``(logits, tokens they predict)`` pieces: the first completion token (from the prompt pass),
+    then the rest."""
+    head = hidden_only(mb.prompt_ids.device) if hidden else {}
     out = model(
         input_ids=mb.prompt_ids,
         attention_mask=mb.prompt_mask,
         position_ids=positions_from_mask(mb.prompt_mask),
         use_cache=True,
-        logits_to_keep=1,
+        **(head or {"logits_to_keep": 1}),
     )
     cache = output_cache(out)
     cache.batch_select_indices(mb.prompt_index)
-    pieces = [(out.logits[:, -1:][mb.prompt_index], mb.completion_ids[:, :1])]  # predicts the first token
+    first = final_hidden(out) if hidden else out.logits
+    pieces = [(first[:, -1:][mb.prompt_index], mb.completion_ids[:, :1])]  # predicts the first token
     if mb.completion_ids.shape[1] > 1:
         full_mask = torch.cat([mb.prompt_mask[mb.prompt_index], mb.completion_mask[:, :-1]], dim=1)
         positions = positions_from_mask(full_mask)[:, mb.prompt_mask.shape[1] :]
@@ -118,8 +153,9 @@ def _logits_with_shared_prompt(model: nn.Module, mb: MicroBatch) -> list[tuple[t
             position_ids=positions,
             use_cache=True,
             **{cache_kwarg(model): cache},
-        ).logits
-        pieces.append((rest, mb.completion_ids[:, 1:]))
+            **head,
+        )
+        pieces.append((final_hidden(rest) if hidden else rest.logits, mb.completion_ids[:, 1:]))
     return pieces
 
 
@@ -161,7 +197,7 @@ class _ValueOfFirst(torch.autograd.Function):
 
 def policy_logprobs(
     model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False,
-    packed: bool = False,
+    packed: bool = False, head_chunk_mb: float | None = DEFAULT_HEAD_CHUNK_MB,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-probs a gradient pass feeds the loss: :func:`completion_logprobs`, or, when ``model`` has active
     dropout and grad is on, log-probs whose *values* are the policy's without dropout (a no-grad pass inside
@@ -174,10 +210,11 @@ def policy_logprobs(
     Costs one extra no-grad forward per micro-batch; without dropout nothing changes. The entropy comes from the
     dropout-free pass; one with a gradient (``entropy_grad``, an entropy bonus) from the pass with dropout, the
     pass that carries gradients."""
+    chunks = {"packed": packed, "head_chunk_mb": head_chunk_mb}
     if not (torch.is_grad_enabled() and active_dropout(model)):
-        return completion_logprobs(model, mb, temperature, with_entropy, entropy_grad, packed)
+        return completion_logprobs(model, mb, temperature, with_entropy, entropy_grad, **chunks)
     with torch.no_grad(), dropout_off(model):
-        value, entropy = completion_logprobs(model, mb, temperature, with_entropy and not entropy_grad, packed=packed)
-    carrier, carried_entropy = completion_logprobs(model, mb, temperature, with_entropy and entropy_grad, entropy_grad,
-                                                   packed)
+        value, entropy = completion_logprobs(model, mb, temperature, with_entropy and not entropy_grad, **chunks)
+    carrier, carried_entropy = completion_logprobs(model, mb, temperature, with_entropy and entropy_grad,
+                                                   entropy_grad, **chunks)
     return _ValueOfFirst.apply(value, carrier), carried_entropy if entropy_grad else entropy

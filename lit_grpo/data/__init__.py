@@ -12,7 +12,8 @@ from typing import Any
 # anything heavy loads, and the rewards import math-verify and sympy.
 _EXPORTS = {"load_gsm8k": "lit_grpo.data.gsm8k", "RewardRunner": "lit_grpo.data.rewards",
             "correctness_reward": "lit_grpo.data.rewards", "extract_final_answer": "lit_grpo.data.rewards",
-            "format_reward": "lit_grpo.data.rewards", "resolve_reward": "lit_grpo.data.rewards"}
+            "format_reward": "lit_grpo.data.rewards", "math_verify_reward": "lit_grpo.data.rewards",
+            "resolve_reward": "lit_grpo.data.rewards"}
 __all__ = sorted(_EXPORTS)
 
 

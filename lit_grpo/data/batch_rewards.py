@@ -7,6 +7,7 @@ and prompt-major, as ``collate_rollouts`` whitens them into eq. 2's advantages.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,6 +17,17 @@ from lit_grpo.data.rewards import RewardFn, RewardRunner, reward_name
 from lit_grpo.data.tasks import check_environment_rewards
 from lit_grpo.engines.base import Completion
 from lit_grpo.math.overlong import soft_overlong_penalty
+
+
+@dataclass(frozen=True)
+class BatchScores:
+    """What the sampled-completions table shows of a rollout batch's scoring besides its rewards: each prompt's
+    gold answer and each reward function's unweighted score of each completion (flat, prompt-major; empty when the
+    batch was formed over several rounds)."""
+
+    batch_index: int
+    answers: list[str]
+    per_function: dict[str, list[float]]
 
 
 def batch_reward_runner(rewards: list[str | RewardFn] | None, reward_weights: list[float] | None, timeout_s: float,
@@ -53,4 +65,4 @@ def score_completions(runner: RewardRunner, completions: list[Completion], answe
                for r, c in zip(scored.rewards, completions)]
     if penalties is not None:
         rewards = [r + p for r, p in zip(rewards, penalties.tolist())]
-    return Scored(rewards, scored.errors, scored.timeouts)
+    return Scored(rewards, scored.errors, scored.timeouts, scored.per_function)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -34,21 +34,27 @@ from lit_grpo.core.distributed import everyone
 from lit_grpo.core.option_groups import as_group
 from lit_grpo.data import engine_setup, fit_checks
 from lit_grpo.data.async_rollouts import AsyncRollouts, Requested
-from lit_grpo.data.batch_rewards import batch_reward_runner, overlong_penalties, score_completions
+from lit_grpo.data.batch_rewards import BatchScores, batch_reward_runner, overlong_penalties, score_completions
 from lit_grpo.data.checkpoint_state import data_state, restore_data_state
+from lit_grpo.data.columns import RowFormat, check_row_format, run_rows
 from lit_grpo.data.dynamic_sampling import DynamicSampling, Formed, OverlongPenalty, Scored, form_batch
 from lit_grpo.data.engine_setup import MIXED_AUTOCAST
 from lit_grpo.data.environment_errors import EnvironmentFailure, new_environment_errors, trajectory_tasks
 from lit_grpo.data.multi_turn import MultiTurnOptions, TrajectoryRunner, trajectory_stats
-from lit_grpo.data.option_checks import check_batch_numbers, check_overlong_penalty, check_sampler_check_options
-from lit_grpo.data.prompt_order import PromptBatch, PromptStream, epoch_permutation, rank_share, used_rows
-from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT, prompt_ids
+from lit_grpo.data.option_checks import (
+    check_advantage_std,
+    check_batch_numbers,
+    check_overlong_penalty,
+    check_sampler_check_options,
+)
+from lit_grpo.data.prompt_order import PromptBatch, PromptLoader, PromptStream, epoch_permutation, rank_share
+from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
 from lit_grpo.data.rewards import RewardFn
 from lit_grpo.data.rollout import BatchOrigin, PaddedRollouts, collate_rollouts, pad_rollouts, rollout_seed
 from lit_grpo.data.sampler_check import DEFAULT_MAX_GAP, DEFAULT_SEQUENCES, SamplerCheck
 from lit_grpo.data.server_reference import ServerReference
 from lit_grpo.data.staleness import check_staleness_setup, mixes_versions, staleness_stats, weight_version_of
-from lit_grpo.data.tasks import default_environment, load_task_rows, system_prompt_for
+from lit_grpo.data.tasks import default_environment, system_prompt_for
 from lit_grpo.engines.base import Completion, RemoteEngine, RolloutEngine, Rollouts, SamplingConfig
 from lit_grpo.engines.options import ServerOptions, TransformersOptions, VLLMOptions
 from lit_grpo.environments.protocol import resolve_environment
@@ -65,8 +71,9 @@ class RolloutDataModule(L.LightningDataModule):
     """Prompts from GSM8K, G completions each from the rollout engine, rewards and group advantages.
 
     Args:
-        dataset: ``"bundled"`` (the GSM8K copy in the package), a local jsonl/parquet path, or a Hub id
-            such as ``openai/gsm8k``.
+        dataset: ``"bundled"`` (the GSM8K copy in the package), a local jsonl/json/parquet path, a folder written by
+            ``Dataset.save_to_disk``, or a Hub id such as ``openai/gsm8k``; GSM8K's format unless its columns are
+            named (``problem_column``, ``answer_column``).
         prompts_per_step: prompts per rollout batch per process; a step trains on
             ``prompts_per_step * world_size`` prompts, each rank on its own share with its own sampling seed.
         num_generations: G, completions per prompt (>= 2: a group needs a spread to whiten).
@@ -82,13 +89,16 @@ class RolloutDataModule(L.LightningDataModule):
         max_new_tokens, temperature, top_p: sampling (log-probs use ``logits / temperature``). The one source of
             the sampling settings: a LightningModule with a ``temperature`` of its own (``GRPOModule``'s, which the
             CLI links to this one) must have this one when the fit starts, else the fit is refused.
-        rewards: reward functions by short name (``correctness``, ``format``) or import path
-            ``package.module:function`` (configs and the CLI), or in Python the functions themselves
+        rewards: reward functions by short name (``correctness``, ``format``; ``math_verify`` for LaTeX golds) or
+            import path ``package.module:function`` (configs and the CLI), or in Python the functions themselves
             (``rewards=[my_reward, "format"]``); each is checked against the contract
             ``fn(completion: str, answer: str, **kwargs) -> float`` now, and one that scores no completion of the
             first batch stops the run (``lit_grpo.data.rewards.RewardRunner``, which also says which callables work
             in processes Lightning spawns); ``reward_weights`` weigh them (default 1 each).
         scale_rewards: divide by the group std (eq. 2); ``False`` centres only (Dr.GRPO).
+        advantage_std: which std divides: ``population`` (eq. 2: divide by G, ``eps`` inside the square root) or
+            ``bessel`` (TRL's ``GRPOTrainer``: divide by G - 1, ``eps`` added to the std), about sqrt(G / (G - 1))
+            apart (:func:`lit_grpo.math.advantages.group_advantages`).
         system_prompt: the system message before each question (``None``: none). Left at its default, GSM8K's, a
             ``reasoning_gym:<task>`` dataset gets reasoning-gym's own prompt instead (``lit_grpo.data.tasks``).
         engine: ``"transformers"`` (in-process copy of the policy), ``"vllm"`` (colocated vLLM) or ``"server"``
@@ -157,6 +167,13 @@ class RolloutDataModule(L.LightningDataModule):
             (``rewards`` score it: ``correctness`` by default).
         multi_turn: the limits and formats of multi-turn rollouts (``max_turns``, ``max_total_tokens``,
             ``tool_timeout_s``, ``tool_call_format``, ``tool_runner``; ``lit_grpo.data.multi_turn.MultiTurnOptions``).
+        problem_column, answer_column: read ``dataset`` by its columns (docs/datasets.md): the problem's (default
+            ``question``) and the gold answer's (default ``answer``, all its text: LaTeX for ``math_verify``); unset,
+            the rows are GSM8K's, the gold after ``####``. A row without the column is refused in one line.
+        prompt_template: the user message, the row's columns in braces (``"{problem}\n\nLet's think step by step
+            and output the final answer within \\boxed{}."``); unset, the problem as it is.
+        chat_template: format prompts with the tokenizer's chat template; ``false``: plain text (a base model).
+        dataset_config: a Hub dataset's config (unset: the dataset's default; GSM8K's ``main`` for its own ids).
     """
 
     def __init__(
@@ -175,6 +192,7 @@ class RolloutDataModule(L.LightningDataModule):
         reward_timeout_s: float = 5.0,
         advantage_eps: float = 1e-4,
         scale_rewards: bool = True,
+        advantage_std: Literal["population", "bessel"] = "population",
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         engine: str = "transformers",
         engine_options: dict[str, Any] | TransformersOptions | VLLMOptions | ServerOptions | None = None,
@@ -192,6 +210,11 @@ class RolloutDataModule(L.LightningDataModule):
         add_rewards_to_environment: bool = False,
         tools: list[str | Callable[..., Any]] | None = None,
         multi_turn: MultiTurnOptions = MultiTurnOptions(),  # noqa: B008 (frozen)
+        problem_column: str | None = None,
+        answer_column: str | None = None,
+        prompt_template: str | None = None,
+        chat_template: bool = True,
+        dataset_config: str | None = None,
     ) -> None:
         super().__init__()
         check_sampler_check_options(sampler_check_max_gap, sampler_check_sequences)
@@ -200,10 +223,12 @@ class RolloutDataModule(L.LightningDataModule):
         self.partial_rollouts = partial_rollouts
         check_batch_numbers(num_generations, prompts_per_step, micro_batch_size, micro_batch_tokens, advantage_eps,
                             max_prompts)
+        check_advantage_std(advantage_std)
         self.dynamic_sampling = as_group(DynamicSampling, dynamic_sampling, "dynamic_sampling")
         self.overlong_penalty = as_group(OverlongPenalty, overlong_penalty, "overlong_penalty")
-        check_overlong_penalty(self.overlong_penalty, max_new_tokens, environment is not None or bool(tools))
+        # the sampling first: a max_new_tokens of 0 is refused as itself, not as a length the penalty cannot fit in
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        check_overlong_penalty(self.overlong_penalty, max_new_tokens, environment is not None or bool(tools))
         engine_setup.check_engine_sampling(engine, options, temperature, top_p)
         self.multi_turn = as_group(MultiTurnOptions, multi_turn, "multi_turn")
         environment = environment if environment is not None else default_environment(dataset)
@@ -217,14 +242,18 @@ class RolloutDataModule(L.LightningDataModule):
         self.env_errors = 0
         self.reward_runner = batch_reward_runner(rewards, reward_weights, reward_timeout_s, environment,
                                                  add_rewards_to_environment)
-        self.rows = used_rows(load_task_rows(dataset, split=split, environment=self.environment_factory is not None),
-                              max_prompts, seed, dataset, prompts_per_step)
+        #: how rows become prompts and golds (``lit_grpo.data.columns``), checked before any row is read
+        self.row_format = RowFormat(problem_column, answer_column, prompt_template, chat_template, dataset_config)
+        check_row_format(self.row_format, dataset, self.environment_factory is not None, bool(tools))
+        self.rows = run_rows(dataset, split, self.row_format, self.reward_runner, self.environment_factory is not None,
+                             max_prompts, seed, prompts_per_step)
         self.prompts_per_step = prompts_per_step
         self.num_generations = num_generations
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.advantage_eps = advantage_eps
         self.scale_rewards = scale_rewards
+        self.advantage_std = advantage_std
         #: a reasoning-gym task left with GSM8K's default prompt gets its own (``lit_grpo.data.tasks``)
         self.system_prompt = system_prompt_for(dataset, system_prompt)
         self.engine_kind = engine
@@ -236,6 +265,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.sampler_check = SamplerCheck(sampler_check_max_gap, sampler_check_sequences) \
             if checks and sampler_check_max_gap is not None else None
         self.consumed = 0
+        self.batch_scores: BatchScores | None = None  # the last batch's, for the sampled-completions table
         self.rollout_engine: RolloutEngine | None = None
         self.tokenizer = None
         self._prompt_cache: dict[int, list[int]] = {}
@@ -335,7 +365,7 @@ class RolloutDataModule(L.LightningDataModule):
         # batch_size=None: the stream already yields whole batches; num_workers=0: generation needs the
         # trainer's process (weights, device), so Lightning's warning about __len__ with workers cannot apply.
         warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
-        return DataLoader(PromptStream(self), batch_size=None, num_workers=0)
+        return PromptLoader(PromptStream(self), batch_size=None, num_workers=0)  # resumable: its docstring
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, PromptBatch):
@@ -366,7 +396,7 @@ class RolloutDataModule(L.LightningDataModule):
         """The prompt of dataset row ``row``: its question in the chat template, or an environment's first messages."""
         if row not in self._prompt_cache:
             self._prompt_cache[row] = self.trajectories.prompt(self.rows[row]) if self.trajectories is not None \
-                else prompt_ids(self.tokenizer, self.rows[row]["question"], self.system_prompt)
+                else self.row_format.prompt_ids(self.tokenizer, self.rows[row]["question"], self.system_prompt)
         return self._prompt_cache[row]
 
     def module_device(self) -> torch.device:
@@ -512,6 +542,8 @@ class RolloutDataModule(L.LightningDataModule):
             else self.score_groups(prompt_batch.rows, groups)
         self.reward_errors += scored.errors
         self.reward_timeouts += scored.timeouts
+        self.batch_scores = BatchScores(prompt_batch.batch_index, [str(self.rows[r].get("answer", ""))
+                                                                   for r in prompt_batch.rows], scored.per_function)
         penalties = self.overlong_penalties(groups)
         stats = {**(formed.stats if formed is not None else {}),
                  **({"overlong_penalty": float(penalties.mean())} if penalties is not None else {}),
@@ -534,6 +566,7 @@ class RolloutDataModule(L.LightningDataModule):
             reference=rollouts.reference, reference_offloaded=self.scores_reference,
             stats={**timings, "reward_errors": float(self.reward_errors),
                    "reward_timeouts": float(self.reward_timeouts), **stats})
-        batch = collate_rollouts(padded, scored.rewards, self.advantage_eps, self.scale_rewards, origin)
+        batch = collate_rollouts(padded, scored.rewards, self.advantage_eps, self.scale_rewards, origin,
+                                 self.advantage_std)
         self.consumed = prompt_batch.batch_index + 1
         return batch

@@ -103,6 +103,9 @@ class Scored:
     rewards: list[float]
     errors: int = 0
     timeouts: int = 0
+    #: each reward function's unweighted score of each completion, by the function's name (empty: not kept, as for
+    #: a batch formed over several rounds); for the sampled-completions table, not the loss
+    per_function: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lit_grpo.data.hf_datasets import describe_hub, hub_config, is_saved_dataset, read_hub, read_saved
+
 SPLITS: tuple[str, ...] = ("train", "test")
 FILE_SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 
@@ -35,7 +37,7 @@ def gold_answer(answer: str) -> str | None:
     return _THOUSANDS_SEPARATOR.sub("", gold) or None
 
 
-def _validated_row(row: Any, index: int, source: str) -> dict[str, str]:
+def _validated_row(row: Any, index: int, source: str, numeric_gold: bool = True) -> dict[str, str]:
     """One row reduced to the three fields, or a ``ValueError`` naming the source, row and field at fault."""
     if not isinstance(row, Mapping):
         raise ValueError(f"{source}: row {index} is a {type(row).__name__}; {_EXPECTED_ROW}")
@@ -46,7 +48,7 @@ def _validated_row(row: Any, index: int, source: str) -> dict[str, str]:
         if not isinstance(value, str):
             raise ValueError(f"{source}: row {index} field {name!r} is a {type(value).__name__}; {_EXPECTED_ROW}")
     gold = gold_answer(row["answer"])
-    if gold is None or not any(ch.isdigit() for ch in gold):
+    if gold is None or numeric_gold and not any(ch.isdigit() for ch in gold):
         raise ValueError(
             f"{source}: row {index} field 'answer' has no '####' final answer "
             f"(ends with {row['answer'][-40:]!r}); {_EXPECTED_ROW}"
@@ -54,9 +56,12 @@ def _validated_row(row: Any, index: int, source: str) -> dict[str, str]:
     return {"question": row["question"], "answer": row["answer"], "gold": gold}
 
 
-def validate_rows(rows: Iterable[Any], source: str) -> list[dict[str, str]]:
-    """Checks GSM8K rows and returns them as ``{"question", "answer", "gold"}`` dicts (other fields dropped)."""
-    validated = [_validated_row(row, i, source) for i, row in enumerate(rows)]
+def validate_rows(rows: Iterable[Any], source: str, numeric_gold: bool = True) -> list[dict[str, str]]:
+    """Checks GSM8K rows and returns them as ``{"question", "answer", "gold"}`` dicts (other fields dropped).
+
+    ``numeric_gold``: the gold after ``####`` must hold a number, as the ``correctness`` reward needs; ``False`` when
+    every reward judges golds of its own form and checks them itself (``math_verify``: ``#### \\pi``)."""
+    validated = [_validated_row(row, i, source, numeric_gold) for i, row in enumerate(rows)]
     if not validated:
         raise ValueError(f"{source}: no rows; {_EXPECTED_ROW}")
     return validated
@@ -126,59 +131,50 @@ def _read_bundled(split: str) -> list[Any]:
         return list(_json_lines(io.TextIOWrapper(gz, encoding="utf-8"), f"bundled GSM8K {split}"))
 
 
-def _read_hub(source: str, config: str, split: str) -> list[Any]:
-    """A Hub dataset through ``datasets``; a failure keeps its type, with a note on how to load offline."""
-    import datasets
-
-    try:
-        dataset = datasets.load_dataset(source, config, split=split)
-    except Exception as e:
-        if hasattr(e, "add_note"):  # Python 3.11+
-            e.add_note(
-                f"while loading Hub dataset {source!r} (config {config!r}, split {split!r}); "
-                "for offline use pass source='bundled' or a local .jsonl/.jsonl.gz/.json/.parquet path"
-            )
-        raise
-    return [dict(row) for row in dataset]
-
-
 def _looks_like_path(source: str) -> bool:
     """Whether a source is meant as a filesystem path (a Hub id is ``owner/name`` with no such markers)."""
     return source.startswith(("/", "./", "../", "~", "\\")) or source.lower().endswith(_FILE_LIKE_SUFFIXES)
 
 
-def load_gsm8k(source: str = "bundled", split: str = "train", config: str = "main") -> list[dict[str, str]]:
+def load_gsm8k(source: str = "bundled", split: str = "train", config: str | None = None,
+               numeric_gold: bool = True) -> list[dict[str, str]]:
     """GSM8K rows ``{"question": str, "answer": str, "gold": str}``, checked by :func:`validate_rows`.
 
     ``source`` is ``"bundled"`` (the copy shipped in the package), a local path (a ``.jsonl``,
-    ``.jsonl.gz``, ``.json`` or ``.parquet`` file holding one split, or a directory holding
-    ``<split>.jsonl`` and the like), or else a Hub dataset id such as ``"openai/gsm8k"``, loaded with
-    ``datasets.load_dataset(source, config, split=split)``. ``config`` is used only for Hub ids; ``split`` picks
-    the file of the bundled copy or a directory, and is checked but otherwise unused for a single file.
+    ``.jsonl.gz``, ``.json`` or ``.parquet`` file holding one split, a folder written by ``save_to_disk``, or a
+    directory holding ``<split>.jsonl`` and the like), or else a Hub dataset id such as ``"openai/gsm8k"``, loaded
+    with ``datasets.load_dataset(source, config, split=split)`` (:mod:`lit_grpo.data.hf_datasets`). ``config`` is
+    used only for Hub ids (``None``: the dataset's default; GSM8K's ``main`` for its own ids); ``split`` picks the
+    file of the bundled copy or a directory, and is checked but otherwise unused for a single file.
     ``"synthetic:<task>"`` names a generated task in the same format (see :mod:`lit_grpo.data.synthetic`).
+    ``numeric_gold``: see :func:`validate_rows`.
     """
     if split not in SPLITS:
         raise ValueError(f"split {split!r}: expected one of {', '.join(repr(s) for s in SPLITS)}")
     if not isinstance(source, str) or not source.strip():
         raise ValueError(f"source {source!r}: expected 'bundled', a local file or directory path, or a Hub dataset id")
     if source == "bundled":
-        return validate_rows(_read_bundled(split), f"bundled GSM8K {split}")
+        return validate_rows(_read_bundled(split), f"bundled GSM8K {split}", numeric_gold)
     if source.startswith("synthetic:"):  # generated tasks in GSM8K's format (lit_grpo.data.synthetic)
         from lit_grpo.data.synthetic import load_synthetic
 
-        return validate_rows(load_synthetic(source, split), f"{source} {split}")
+        return validate_rows(load_synthetic(source, split), f"{source} {split}", numeric_gold)
     rows, described = read_rows(source, split, config)
-    return validate_rows(rows, described)
+    return validate_rows(rows, described, numeric_gold)
 
 
-def read_rows(source: str, split: str, config: str = "main") -> tuple[list[Any], str]:
-    """The rows of a local file, a directory's split or a Hub dataset, as they are (unchecked), and the source in
-    words for messages: what :func:`load_gsm8k` checks as GSM8K, and environments' tasks read as plain dicts."""
+def read_rows(source: str, split: str, config: str | None = None) -> tuple[list[Any], str]:
+    """The rows of a local file, a directory's split, a ``save_to_disk`` folder or a Hub dataset, as they are
+    (unchecked), and the source in words for messages: what :func:`load_gsm8k` checks as GSM8K, what
+    :mod:`lit_grpo.data.columns` reads by its columns, and environments' tasks read as plain dicts."""
     path = Path(source).expanduser()
+    if is_saved_dataset(path):
+        return read_saved(path, split), str(path)
     if path.is_dir():
         path = _file_in_directory(path, split)
     if path.is_file():
         return _read_file(path), str(path)
     if _looks_like_path(source):
         raise ValueError(f"source {source!r}: no such file or directory; expected an existing path or a Hub dataset id")
-    return _read_hub(source, config, split), f"{source} (config {config!r}, split {split!r})"
+    config = hub_config(source, config)
+    return read_hub(source, config, split), describe_hub(source, config, split)

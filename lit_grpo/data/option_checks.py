@@ -39,6 +39,13 @@ def check_batch_numbers(num_generations: int, prompts_per_step: int, micro_batch
         raise ValueError(f"max_prompts must be >= 1 or None, got {max_prompts}")
 
 
+def check_advantage_std(std: str) -> None:
+    """How eq. 2's std is taken: the names of :data:`lit_grpo.math.advantages.ADVANTAGE_STDS`, spelled out here
+    because this module must not import torch (a test holds the two equal)."""
+    if std not in ("population", "bessel"):
+        raise ValueError(f"advantage_std must be one of population, bessel, got {std!r}")
+
+
 def check_overlong_penalty(option: OverlongPenalty, max_new_tokens: int, multi_turn: bool) -> None:
     """DAPO's overlong penalty scores one completion's length against ``max_new_tokens``: refused on multi-turn
     trajectories (``multi_turn``: an environment or tools are given), and with a buffer not below the limit."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from lit_grpo.core.distributed import rank_slice
 
@@ -49,6 +49,20 @@ class PromptStream(IterableDataset):
         epoch = start // per_epoch
         for index in range(start, (epoch + 1) * per_epoch):
             yield owner.prompt_batch(index)
+
+
+class PromptLoader(DataLoader):
+    """The data module's loader of :class:`PromptStream`. Lightning warns, on a resume from the middle of an epoch,
+    that a loader without ``state_dict`` and ``load_state_dict`` is not resumable and results may be unreliable;
+    this one is resumable, by the data module: its own checkpoint state (``lit_grpo.data.checkpoint_state``) holds
+    the count of consumed batches the stream starts from. So the loader's own state is empty, and having the two
+    methods tells Lightning so (its ``_Stateful`` check)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore: the data module's ``load_state_dict`` restored the stream's position."""
 
 
 def used_rows(rows: list[dict[str, Any]], max_prompts: int | None, seed: int, dataset: str,

@@ -7,11 +7,15 @@ answer)`` (no keyword arguments yet; accept ``**kwargs`` so that later ones do n
 number back (``int``, ``float``, a NumPy scalar or a 0-d tensor; ``bool`` counts as 0 / 1; a string does not, even
 ``"1"``). A reward is named by a spec string (a built-in name or an import path: configs and the CLI) or, in the
 Python API, given as the callable itself; :func:`resolve_reward` checks either against the contract before training.
+A function may also carry ``fn.check_answer(answer: str) -> str | None``, what is wrong with a gold it cannot judge
+(``None``: nothing): the data module asks it of every row before training (``math_verify`` does).
 
 Answer extraction (:func:`extract_final_answer`) decides what a completion's final answer *is*; the
 comparison (:func:`correctness_reward`) decides whether it equals the gold answer. Both are kept lenient
 about presentation (``$1,000`` vs ``1000``, ``18.0`` vs ``18``) and strict about value, so the policy is
 rewarded for the right number, and :func:`format_reward` separately rewards the GSM8K ``#### <number>`` form.
+LaTeX golds (MATH, AIME: ``\\frac{\\sqrt{3}}{2}``, ``\\text{(C)}``) are the ``math_verify`` reward's
+(:func:`math_verify_reward`, from :mod:`lit_grpo.data.latex_answers`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from fractions import Fraction
 from math_verify import parse, verify
 
 from lit_grpo.core.import_paths import resolve_callable
+from lit_grpo.data.latex_answers import last_closed_boxed
+from lit_grpo.data.latex_answers import math_verify_reward as math_verify_reward  # the built-in of LaTeX golds
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +54,6 @@ _NUMBER = r"(?:(?<![\w.])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<!\d
 # A final answer token: a number, or a simple fraction "a/b" (what `\frac{a}{b}` is rewritten to).
 _ANSWER_TOKEN = re.compile(rf"({_NUMBER})(?:\s*/\s*({_NUMBER}))?")
 _FRAC = re.compile(rf"\\[dt]?frac\s*\{{\s*({_NUMBER})\s*\}}\s*\{{\s*({_NUMBER})\s*\}}")
-_BOXED = re.compile(r"\\boxed\s*\{")
 # LaTeX spellings of a thousands separator inside a number: 1{,}000, 1\,000, 1\!000.
 _LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:\{,\}|\\[,!]\s*)(?=\d{3}(?!\d))")
 _FORMAT_LINE = re.compile(r"(?:\A|\n)[ \t]*####[ \t]*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\Z")
@@ -56,22 +61,8 @@ _FORMAT_LINE = re.compile(r"(?:\A|\n)[ \t]*####[ \t]*-?(?:\d{1,3}(?:,\d{3})+|\d+
 BUILTIN_REWARDS: dict[str, str] = {
     "correctness": "lit_grpo.data.rewards:correctness_reward",
     "format": "lit_grpo.data.rewards:format_reward",
+    "math_verify": "lit_grpo.data.rewards:math_verify_reward",
 }
-
-
-class _DropDisabledTimeoutWarning(logging.Filter):
-    """Silences math-verify's "timeout is disabled" warning.
-
-    Its own timeout uses ``signal.alarm``, which raises in any thread but the main one, so this module turns it
-    off on purpose and relies on :class:`RewardRunner`'s per-call timeout instead.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Timeout is disabled")
-
-
-for _name in ("math_verify.parser", "math_verify.grader"):
-    logging.getLogger(_name).addFilter(_DropDisabledTimeoutWarning())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -114,30 +105,6 @@ def _latex_to_plain(text: str) -> str:
     return _FRAC.sub(r"\1/\2", text)
 
 
-def _closing_braces(text: str) -> dict[int, int]:
-    """Index of each ``{`` that is closed -> index of its ``}``, in one pass (linear even on junk input)."""
-    closing, open_positions = {}, []
-    for i, ch in enumerate(text):
-        if ch == "{":
-            open_positions.append(i)
-        elif ch == "}" and open_positions:
-            closing[open_positions.pop()] = i
-    return closing
-
-
-def _last_boxed_content(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` whose braces balance (a truncated last one is skipped)."""
-    boxes = list(_BOXED.finditer(text))
-    if not boxes:
-        return None
-    closing = _closing_braces(text)
-    for match in reversed(boxes):
-        end = closing.get(match.end() - 1)
-        if end is not None:
-            return text[match.end() : end]
-    return None
-
-
 def extract_final_answer(text: str) -> str | None:
     """The final numeric answer of a solution, normalised, or ``None`` when it holds no number.
 
@@ -160,7 +127,7 @@ def extract_final_answer(text: str) -> str | None:
         found = _first_answer_token(_latex_to_plain(text.rsplit("####", 1)[1]))
         if found is not None:
             return found
-    boxed = _last_boxed_content(text)
+    boxed = last_closed_boxed(text)
     if boxed is not None:
         found = _first_answer_token(_latex_to_plain(boxed))
         if found is not None:

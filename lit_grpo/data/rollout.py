@@ -21,7 +21,9 @@ def rollout_seed(seed: int, batch_index: int, rank: int) -> int:
 @dataclass
 class PaddedRollouts:
     """Completions in the ``RolloutBatch`` layout: each prompt once, left-padded; completions right-padded; cut into
-    the trainer's micro-batches (what an engine's ``score`` and the server's pi_ref scoring run over)."""
+    the padded layout's micro-batches (what an engine's ``score`` and the server's pi_ref scoring run over). Those
+    are the trainer's unless ``model.packing`` feeds it packed rows: the values then agree with the trainer's own
+    passes within float tolerance, not bit for bit (``RolloutBatch.micro_batches``)."""
 
     prompt_ids: torch.Tensor  # [num_prompts, P]
     prompt_mask: torch.Tensor
@@ -95,7 +97,8 @@ class BatchOrigin:
 
 
 def collate_rollouts(padded: PaddedRollouts, rewards: list[float], advantage_eps: float = 1e-4,
-                     scale_rewards: bool = True, origin: BatchOrigin = BatchOrigin()) -> RolloutBatch:  # noqa: B008
+                     scale_rewards: bool = True, origin: BatchOrigin = BatchOrigin(),  # noqa: B008
+                     advantage_std: str = "population") -> RolloutBatch:
     """The complete ``RolloutBatch`` of padded completions: eq. 2 advantages and the eq. 8 group mask from
     ``rewards`` (flat, in the completions' prompt-major order), the batch's ``origin``, and its statistics."""
     group_size = padded.group_size
@@ -104,7 +107,7 @@ def collate_rollouts(padded: PaddedRollouts, rewards: list[float], advantage_eps
         raise ValueError(f"got {len(rewards)} rewards for {padded.completion_ids.shape[0]} completions")
     device = padded.completion_ids.device
     reward_groups = torch.tensor(rewards, dtype=torch.float32).view(num_groups, group_size)
-    advantages = group_advantages(reward_groups, eps=advantage_eps, scale=scale_rewards).view(-1)
+    advantages = group_advantages(reward_groups, eps=advantage_eps, scale=scale_rewards, std=advantage_std).view(-1)
     group_mask = zero_variance_mask(reward_groups).repeat_interleave(group_size).to(device)
     flat_rewards = reward_groups.view(-1).to(device)
     reference_logp, reference_version = (None, None) if origin.reference is None else origin.reference
@@ -131,6 +134,7 @@ def collate_rollouts(padded: PaddedRollouts, rewards: list[float], advantage_eps
         rollout_step=origin.rollout_step,
         advantage_eps=advantage_eps,
         scale_rewards=scale_rewards,
+        advantage_std=advantage_std,
         stats={**rollout_stats(flat_rewards, group_mask,
                                padded.completion_mask if padded.loss_mask is None else padded.loss_mask,
                                padded.truncated, group_size),

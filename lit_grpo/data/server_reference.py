@@ -13,7 +13,8 @@ from lit_grpo.engines.base import ReferenceServing, Rollouts
 
 @dataclass(frozen=True)
 class ServerReference:
-    """How the trainer asks for pi_ref's log-probs: in the layout and micro-batches it will use itself, at the
+    """How the trainer asks for pi_ref's log-probs: in the padded layout and its micro-batches (the trainer's own
+    unless ``model.packing`` packs them; then equal to its packed pass within float tolerance), at the
     loss's temperature, under its mixed-precision autocast (``None``: none)."""
 
     engine: ReferenceServing

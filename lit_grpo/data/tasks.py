@@ -24,17 +24,20 @@ from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
 REASONING_GYM = "reasoning_gym:"
 
 
-def load_task_rows(source: str, split: str = "train", environment: bool = False) -> list[dict[str, Any]]:
-    """The rows of ``source``'s ``split``: checked GSM8K rows, or with an ``environment`` the rows as dicts."""
+def load_task_rows(source: str, split: str = "train", environment: bool = False, config: str | None = None,
+                   numeric_gold: bool = True) -> list[dict[str, Any]]:
+    """The rows of ``source``'s ``split``: checked GSM8K rows, or with an ``environment`` the rows as dicts.
+    ``config``: a Hub dataset's config (``None``: its default); ``numeric_gold``: as
+    :func:`lit_grpo.data.gsm8k.validate_rows` takes it."""
     if isinstance(source, str) and source.startswith(REASONING_GYM):
         from lit_grpo.environments.reasoning_gym import load_rows
 
         return load_rows(source, split)
     if not environment or source == "bundled" or source.startswith("synthetic:"):
-        return load_gsm8k(source, split)
+        return load_gsm8k(source, split, config, numeric_gold)
     if split not in SPLITS:
         raise ValueError(f"split {split!r}: expected one of {', '.join(repr(s) for s in SPLITS)}")
-    rows, described = read_rows(source, split)
+    rows, described = read_rows(source, split, config)
     for index, row in enumerate(rows):
         if not isinstance(row, Mapping):
             raise ValueError(f"{described}: row {index} is a {type(row).__name__}; an environment's task rows must be "

@@ -115,7 +115,8 @@ class RolloutEngine(ABC):
 
     def score(self, layout: ScoringLayout, temperature: float) -> torch.Tensor | None:
         """Log-probs ``[S, C]`` of the layout's completions under the engine's weights, recomputed over the
-        trainer's micro-batches; ``None`` when the engine cannot (then the sampler's are used)."""
+        layout's padded micro-batches (the trainer's, unless ``model.packing`` packs its own); ``None`` when the
+        engine cannot (then the sampler's are used)."""
         return None
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -35,7 +35,8 @@ class TransformersOptions:
     Args:
         rescore: the engine's log-probs are the trainer's function, so when it holds the policy's current weights
             alpha = pi_k and the trainer's first forward gives alpha's log-probs; lagging weights are re-scored in
-            the trainer's micro-batches. ``false``: the sampler's log-probs are alpha's.
+            the padded micro-batches (the trainer's unless ``model.packing`` packs them). ``false``: the sampler's
+            log-probs are alpha's.
         decode: ``auto`` (``static`` on CUDA with ``compile``, else ``dynamic``), ``static`` (transformers'
             ``generate`` with a fixed-shape cache) or ``dynamic`` (a growing KV cache, a seeded generator of its own).
         compile: compile the static path's decode step into CUDA graphs on a GPU (``false`` also makes ``auto``

@@ -30,6 +30,7 @@ from lit_grpo.engines.continuous_batching import (
 )
 from lit_grpo.engines.kv_cache import preallocate
 from lit_grpo.engines.options import SAMPLER_AUTOCAST, check_max_num_seqs
+from lit_grpo.engines.progress import Reporter
 from lit_grpo.engines.static_decoding import StaticDecoder
 from lit_grpo.models.copies import materialize, skeleton_copy
 
@@ -300,7 +301,7 @@ class TransformersEngine(RolloutEngine):
         admitted = cap
         finished = torch.zeros(cap, dtype=torch.bool, device=device)
         counts = torch.zeros(cap, dtype=torch.long, device=device)
-        steps = 0
+        steps, reporter = 0, Reporter(total)  # sequences and tokens done, for a progress bar (engines.progress)
         while True:
             draws = uniforms[rows, counts.clamp(max=max_new - 1)]
             sampled, logps = sample_step(logits, sampling.temperature, sampling.top_p, draws, finished,
@@ -317,6 +318,7 @@ class TransformersEngine(RolloutEngine):
             steps += 1
             done_rows, waiting = int(finished.sum()), total - admitted
             done = done_rows == rows.numel() and waiting == 0
+            reporter.update(admitted - rows.numel() + done_rows, lambda: int(lengths.sum()))
             if all_at_once and steps == max_new:
                 break
             if all_finished(done) if all_finished is not None else done:
@@ -348,6 +350,7 @@ class TransformersEngine(RolloutEngine):
                 finished = torch.cat([finished[keep], finished.new_zeros(admit)])
                 counts = torch.cat([counts[keep], counts.new_zeros(admit)])
                 admitted += admit
+        reporter.done(lambda: int(lengths.sum()))
         token_rows, logp_rows = out_tokens.tolist(), out_logps.tolist()
         length_rows, ended_rows = lengths.tolist(), ended.tolist()
         return [[Completion(token_rows[r][: length_rows[r]], logp_rows[r][: length_rows[r]],

@@ -75,9 +75,11 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0,
     out = torch.empty_like(lse)
     # on a CPU in cache-sized chunks of rows; elsewhere in one piece
     chunk = cpu_chunk_rows(rows.shape[-1]) if scaled.device.type == "cpu" else max(1, rows.shape[0])
-    for part, part_lse, part_out in zip(rows.split(chunk), lse.split(chunk), out.split(chunk)):
-        probs = torch.sub(part, part_lse.unsqueeze(-1)).exp_()
-        torch.sub(part_lse, torch.linalg.vecdot(probs, part), out=part_out)
+    # autocast off: CPU autocast runs vecdot in bfloat16, which would sum the vocabulary in 16 bits
+    with torch.autocast(device_type=scaled.device.type, enabled=False):
+        for part, part_lse, part_out in zip(rows.split(chunk), lse.split(chunk), out.split(chunk)):
+            probs = torch.sub(part, part_lse.unsqueeze(-1)).exp_()
+            torch.sub(part_lse, torch.linalg.vecdot(probs, part), out=part_out)
     return out.reshape(normaliser.shape)
 
 
@@ -91,6 +93,20 @@ def differentiable_entropy(logits: torch.Tensor, temperature: float = 1.0,
         scaled = scaled / temperature
     lse = torch.logsumexp(scaled, dim=-1) if normaliser is None else normaliser
     return lse - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
+
+
+def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                         with_entropy: bool = False, entropy_grad: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`selective_log_softmax` of ``tokens`` and, with ``with_entropy``, the entropy at each position from the
+    same normaliser: :func:`differentiable_entropy` with ``entropy_grad`` (an entropy bonus), else the statistic of
+    :func:`token_entropy`."""
+    logp, normaliser = selective_log_softmax_with_normaliser(logits, tokens, temperature)
+    if not with_entropy:
+        return logp, None
+    if entropy_grad:
+        return logp, differentiable_entropy(logits, temperature, normaliser)
+    return logp, token_entropy(logits.detach(), temperature, normaliser)
 
 
 def upcast(logits: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,10 @@ class LossConfig:
     def with_beta(self: C, beta: float, kl_bias_correction: bool = False) -> C:
         """A copy of these options that the loss is called with: the same fields, ``beta`` and
         ``kl_bias_correction``."""
-        if not beta >= 0:
-            raise ValueError(f"beta must be >= 0 (model.beta, the KL weight of eq. 7), got {beta}")
+        # a number first: a YAML null or a quoted word reaches here as None or str, where ``>=`` would raise a
+        # TypeError naming neither the option nor the value
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta >= 0:
+            raise ValueError(f"beta must be a number >= 0 (model.beta, the KL weight of eq. 7), got {beta!r}")
         if not isinstance(kl_bias_correction, bool):
             raise ValueError(f"kl_bias_correction must be true or false, got {kl_bias_correction!r}")
         config = copy.copy(self)

@@ -7,11 +7,11 @@ part of the update that needs no gradient and no current policy, so the server c
 
 The trainer pushes pi_ref like the policy (``/start_weight_update {"target": "reference"}``), labelled with its
 ``reference_version``; a scoring request names the version it expects and gets a 409 from a server holding
-another. The request carries the trainer's own micro-batches (``lit_grpo.core.batch.micro_batch_views``; the trainer
-sends
-one per request, so a body stays within ``--max-body-bytes`` however large the batch) and the server runs the
-trainer's scoring function on them (``lit_grpo.core.scoring.completion_logprobs``), so the numbers are the ones
-the trainer would compute: in the server's dtype, under the trainer's autocast when it trains in mixed precision
+another. The request carries the batch's padded micro-batches (``lit_grpo.core.batch.micro_batch_views``; the
+trainer sends one per request, so a body stays within ``--max-body-bytes`` however large the batch) and the server
+runs the trainer's scoring function on them (``lit_grpo.core.scoring.completion_logprobs``, padded), so the numbers
+are the ones the trainer would compute (bit for bit unless ``model.packing`` packs the trainer's own passes; then within
+float tolerance): in the server's dtype, under the trainer's autocast when it trains in mixed precision
 (``autocast`` in the request). The project's server only: vLLM 0.33 has no second model.
 
 LoRA (``model.lora``): pi_ref is the served policy's base with its adapter switched off, so nothing is pushed for it;

@@ -13,15 +13,27 @@ device does but the model does not need, so it lowers MFU, as it should. Countin
 (G times, as a trainer without prefix sharing computes it) would credit FLOPs that were never run. Activation
 checkpointing runs each row's prompt again and recomputes the forward in the backward; by MFU's convention that
 repeated work is not counted either, so checkpointing shows as a lower MFU.
+
+Packed (``model.packing``), a micro-batch is fed as one row of real tokens, and the count is that row's length
+(:func:`fed_tokens`): with prompt copies, each completion with its own prompt; as a prefix tree, the tree's nodes,
+so every prefix that rows share (a group's prompt, a turn that multi-turn trajectories sampled alike, identical
+completions) counts once, as it is run once. The token budget's bound of a tree
+(:func:`lit_grpo.core.prefix_tree.tree_token_count`) does not subtract shared completion prefixes: counting it
+would credit work that was never done.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from lit_grpo.core.batch import MicroBatch
+from lit_grpo.core.packing import packed_token_count
+from lit_grpo.core.prefix_tree import tree_layout
 
 #: bf16 dense (no sparsity) peak FLOP/s of one device, by a pattern of ``torch.cuda.get_device_name()``; the first
 #: match wins. Variants with another peak (H100 NVL, H200 NVL, L40 without S) match none, so they get no MFU
@@ -49,6 +61,28 @@ def processed_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -
     last. A 0-d tensor on the masks' device, so a trainer can add it up without a host sync."""
     fed = completion_mask[:, :-1]
     return prompt_mask.sum() + fed.sum()
+
+
+def fed_tokens(micro_batches: Sequence[MicroBatch], layout: str = "padded") -> torch.Tensor:
+    """Tokens one scoring pass over ``micro_batches`` feeds the model in ``layout`` (``"padded"``, ``"packed"`` or
+    ``"packed_tree"``, as ``GRPOModule.micro_batch_layout`` names it), summed as a float64 0-d tensor on the masks'
+    device: padded, :func:`processed_tokens` of each micro-batch; with prompt copies, each row's real prompt and
+    completion tokens but its last; as a prefix tree, the tree's nodes. The tree is built here once more from the
+    token ids (one host transfer per micro-batch, as the pass itself makes): its node count depends on which
+    tokens coincide, which no mask arithmetic gives."""
+    if layout not in ("padded", "packed", "packed_tree"):
+        raise ValueError(f"layout must be 'padded', 'packed' or 'packed_tree', got {layout!r}")
+    if not micro_batches:
+        raise ValueError("fed_tokens needs at least one micro-batch, got none")
+    device = micro_batches[0].completion_mask.device
+    if layout == "packed_tree":
+        nodes = sum(tree_layout(mb).input_ids.numel() for mb in micro_batches)
+        return torch.tensor(float(nodes), dtype=torch.float64, device=device)
+    if layout == "packed":
+        counts = [packed_token_count(mb, "packed") for mb in micro_batches]
+    else:
+        counts = [processed_tokens(mb.prompt_mask, mb.completion_mask) for mb in micro_batches]
+    return torch.stack(counts).sum().to(torch.float64)
 
 
 def update_flops(parameters: int, tokens: float, iterations: int, reference_pass: bool, extra_no_grad_passes: int

@@ -151,6 +151,10 @@ def red_drop_batch(batch: RolloutBatch, rank: int) -> tuple[RolloutBatch, torch.
     each group (:func:`~lit_grpo.math.rec.red_drop_advantages`) and drop the rest from the loss. Seeded by batch
     and rank, so a resumed run drops the same samples. Returns a copy of ``batch`` holding the new advantages
     (``batch`` itself is left as it was collated) and the ``[S]`` keep mask (float, 1 = kept)."""
+    if batch.advantage_std != "population":
+        # RED-Drop recomputes eq. 2 on the kept samples with the population std; it has no Bessel variant
+        raise ValueError(f"loss red_drop recomputes eq. 2's advantages with the population std; "
+                         f"data.advantage_std {batch.advantage_std!r} does not apply to it: use population")
     generator = torch.Generator().manual_seed(batch.batch_index * 1_000_003 + rank)
     advantages, keep = rec.red_drop_advantages(batch.rewards.view(-1, batch.group_size).cpu(), generator,
                                            eps=batch.advantage_eps, scale=batch.scale_rewards)

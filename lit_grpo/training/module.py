@@ -8,17 +8,15 @@ step logs in ``lit_grpo.training.step_metrics``, and how its statistics merge in
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 
 from lit_grpo.core.batch import MicroBatch, RolloutBatch, padding_tokens
+from lit_grpo.core.chunked_head import DEFAULT_HEAD_CHUNK_MB, chunked_head_unsupported
 from lit_grpo.core.distributed import (
-    all_gather_objects,
     all_reduce,
     clip_grad_norm,
     everyone,
@@ -31,7 +29,7 @@ from lit_grpo.core.distributed import (
 )
 from lit_grpo.core.measured_metrics import log_measured
 from lit_grpo.core.option_groups import as_group, plain
-from lit_grpo.core.packing import packed_layout_kind, packed_token_count, packing_supported
+from lit_grpo.core.packing import packed_layout_kind, packing_supported
 from lit_grpo.core.quiet import quiet_lightning
 from lit_grpo.core.scoring import active_dropout, completion_logprobs, dropout_off, policy_logprobs
 from lit_grpo.math.aggregation import (
@@ -51,17 +49,18 @@ from lit_grpo.math.tv import tv_estimate
 from lit_grpo.models.copies import frozen_copy
 from lit_grpo.models.loading import checkpointing_call, disable_dropout, load_model_and_tokenizer
 from lit_grpo.models.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_model_of
-from lit_grpo.training.flops import device_peak_flops, parameter_count, processed_tokens
+from lit_grpo.training.completion_table import log_sampled_completions
+from lit_grpo.training.flops import device_peak_flops, fed_tokens, parameter_count
 from lit_grpo.training.losses import LossOptions, build_loss, check_loss_inputs, check_loss_output, loss_inputs
 from lit_grpo.training.optim import OptimizerArgs, build_optimizer
-from lit_grpo.training.option_checks import check_loss_aggregation, check_module_numbers
+from lit_grpo.training.option_checks import check_head_chunk_mb, check_loss_aggregation, check_module_numbers
 from lit_grpo.training.precision import check_trainer_precision, check_weights_dtype
+from lit_grpo.training.rng_state import gathered_rng_states, restore_rng_states
 from lit_grpo.training.stat_reduction import merge_stats, reduce_stats
 from lit_grpo.training.step_metrics import (
     MEASURED_AT_SOME_STEPS,
     UpdateCost,
     first_iteration_stats,
-    log_completions,
     step_metrics,
     step_statistics,
     wait_for_device,
@@ -85,8 +84,8 @@ class GRPOModule(L.LightningModule):
         iterations_per_batch: i, optimizer steps on each rollout batch.
         temperature: sampling temperature (linked from the data module by the CLI).
         max_completion_length: normaliser of the ``constant`` aggregation (linked from ``max_new_tokens``).
-        log_completions_every_n_steps: write one sampled completion per group, with its reward, to TensorBoard
-            as text every N training steps (None: never).
+        log_completions_every_n_steps: log a table of sampled completions (prompt, answer, rewards, advantage)
+            to every logger that takes one, every N training steps (None: never; ``completion_table``).
         optimizer: AdamW and its schedule (``lr``, ``weight_decay``, ``betas``, ``warmup_steps``, ``schedule``).
         lora: train LoRA adapters (``r``, ``alpha``, ``dropout``, ``target_modules``; ``lit_grpo.models.lora.LoraArgs``)
             instead of every weight; None: full fine-tuning. With LoRA no reference copy is made: pi_ref is the
@@ -130,6 +129,9 @@ class GRPOModule(L.LightningModule):
             bounds each packed row (its layout's tokens, no padding); without one a packed row
             is ``micro_batch_size`` whole sequences, which sdpa and eager attention mask densely at the square of
             its length (on a CPU the demo's update ran 20x slower), warned about when the fit starts.
+        head_chunk_mb: past this many MiB of float32 logits in a micro-batch, the lm head runs on chunks of tokens
+            that fit it and a chunk's logits are recomputed in the backward (``lit_grpo.core.chunked_head``, where
+            the default of 256 is explained; docs/speed.md); null: the full logits, the reference it equals.
     """
 
     def __init__(
@@ -158,11 +160,13 @@ class GRPOModule(L.LightningModule):
         peak_flops: float | None = None,
         lora: LoraArgs | None = None,
         packing: bool = False,
+        head_chunk_mb: float | None = DEFAULT_HEAD_CHUNK_MB,
     ) -> None:
         super().__init__()
         quiet_lightning()  # for a Trainer built after the module, outside the command line
         check_module_numbers(iterations_per_batch, temperature, max_completion_length, peak_flops)
         check_loss_aggregation(loss_aggregation)
+        check_head_chunk_mb(head_chunk_mb)
         if loss == "luspo" and loss_aggregation != "seq_mean_token_sum":
             raise ValueError(f"model.loss 'luspo' scales each sequence's loss by its length, which is "
                              f"loss_aggregation 'seq_mean_token_sum'; got {loss_aggregation!r}: set "
@@ -204,6 +208,8 @@ class GRPOModule(L.LightningModule):
         self.policy.train()
         if packing and (why := packing_supported(self.policy)) is not None:
             raise ValueError(f"model.packing: {why}")
+        if head_chunk_mb is not None and (why := chunked_head_unsupported(self.policy)) is not None:
+            raise ValueError(f"model.head_chunk_mb: {why}; expected a model it handles, or head_chunk_mb: null")
         # pi_ref is made on first use (`configure_model` under a trainer, else the first access of `reference`),
         # so that on an accelerator it is copied straight there instead of doubling the policy on the host
         self._modules["reference"] = None  # the property below reads it; set directly, past the property
@@ -345,6 +351,11 @@ class GRPOModule(L.LightningModule):
         return bool(self.hparams.get("packing", False))
 
     @property
+    def scoring(self) -> dict[str, Any]:
+        """The layout arguments of every log-prob pass: ``packed`` and the head's chunk budget (``head_chunk_mb``)."""
+        return {"packed": self.packing, "head_chunk_mb": self.hparams.get("head_chunk_mb", DEFAULT_HEAD_CHUNK_MB)}
+
+    @property
     def micro_batch_layout(self) -> str:
         """How each micro-batch is fed, and so what its token budget counts: ``"padded"``, or packed as a prefix
         tree or as prompt copies, whichever the policy's attention takes (``lit_grpo.core.packing``)."""
@@ -376,9 +387,9 @@ class GRPOModule(L.LightningModule):
             return [mb.take(batch.reference_logp) for mb in micro_batches]
         if lora_reference:
             with peft_model_of(self.policy).disable_adapter(), dropout_off(self.policy):
-                return [completion_logprobs(self.policy, mb, self.hparams.temperature, packed=self.packing)[0]
+                return [completion_logprobs(self.policy, mb, self.hparams.temperature, **self.scoring)[0]
                         for mb in micro_batches]
-        return [completion_logprobs(self.reference, mb, self.hparams.temperature, packed=self.packing)[0]
+        return [completion_logprobs(self.reference, mb, self.hparams.temperature, **self.scoring)[0]
                 for mb in micro_batches]
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
@@ -417,17 +428,15 @@ class GRPOModule(L.LightningModule):
             iteration_stats.append(totals)
         if hp.monitor_tv_after_update:
             iteration_stats[-1]["tv_pi_alpha_sum"] = self.tv_after_update(batch, micro_batches, pik_logps)
-        if self.packing:  # no padding: a prefix tree, or each completion after its own prompt copy
-            layout = self.micro_batch_layout
-            fed = torch.stack([packed_token_count(mb, layout) for mb in micro_batches]).sum().to(torch.float64)
-            iteration_stats[0]["processed_tokens"] = fed
-            iteration_stats[0]["padded_tokens"], iteration_stats[0]["computed_tokens"] = fed * 0, fed
-        else:
-            iteration_stats[0]["processed_tokens"] = torch.stack(
-                [processed_tokens(mb.prompt_mask, mb.completion_mask) for mb in micro_batches]).sum()
-            iteration_stats[0]["padded_tokens"], iteration_stats[0]["computed_tokens"] = padding_tokens(micro_batches)
         wait_for_device(self.device)  # the clock must hold the work still queued on an accelerator
         update_seconds = time.perf_counter() - start
+        # the tokens fed, as laid out (a prefix tree's nodes: each shared prefix once, lit_grpo.training.flops),
+        # counted off the clock: rebuilding a tree to count it is bookkeeping, not the update's work
+        fed = iteration_stats[0]["processed_tokens"] = fed_tokens(micro_batches, self.micro_batch_layout)
+        if self.packing:  # no padding: a prefix tree, or each completion after its own prompt copy
+            iteration_stats[0]["padded_tokens"], iteration_stats[0]["computed_tokens"] = fed * 0, fed
+        else:
+            iteration_stats[0]["padded_tokens"], iteration_stats[0]["computed_tokens"] = padding_tokens(micro_batches)
         self.log_step(batch, iteration_stats, grad_norms, staleness, update_seconds)
         return torch.stack([stats["loss"] for stats in iteration_stats]).mean()
 
@@ -477,7 +486,7 @@ class GRPOModule(L.LightningModule):
         # with LoRA dropout: the values of the policy without dropout (pi_k at iteration 0, the ratio's numerator),
         # the gradient of the pass with dropout (lit_grpo.core.scoring.policy_logprobs)
         logp, entropy = policy_logprobs(self.policy, mb, hp.temperature, with_entropy=wants_entropy,
-                                        entropy_grad=bonus, packed=self.packing)
+                                        entropy_grad=bonus, **self.scoring)
         pik_logp = logp.detach() if first else pik_logp
         alpha_logp = alpha_logprobs(batch, mb, pik_logp)
         mask, advantages = mb.loss_mask, mb.take(batch.advantages)
@@ -567,7 +576,7 @@ class GRPOModule(L.LightningModule):
         sums = []
         for j, mb in enumerate(micro_batches):
             with dropout_off(self.policy):  # the policy itself, as the sampler runs it (LoRA dropout off)
-                logp, _ = completion_logprobs(self.policy, mb, self.hparams.temperature, packed=self.packing)
+                logp, _ = completion_logprobs(self.policy, mb, self.hparams.temperature, **self.scoring)
             sums.append(tv_estimate(logp, alpha_logprobs(batch, mb, pik_logps[j]), mb.loss_mask).sum)
         return torch.stack(sums).sum()
 
@@ -600,18 +609,11 @@ class GRPOModule(L.LightningModule):
         self.log("staleness", float(staleness), prog_bar=True, on_step=True, batch_size=batch_size)
         every = hp.log_completions_every_n_steps
         if every and batch.batch_index % every == 0 and self.global_rank == 0:
-            log_completions(self.logger, self.tokenizer, batch, self.global_step)
+            log_sampled_completions(self, batch, staleness)
 
     # ---- exact resume -------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        # plain types only, so the checkpoint loads with torch.load(weights_only=True)
-        rng = {"torch": torch.get_rng_state(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos),
-               int(has_gauss), float(cached)), "python": random.getstate()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        # every rank's generators, in rank order: only rank 0 writes the checkpoint, each rank resumes its own
-        checkpoint["rng_states"] = all_gather_objects(rng)
+        checkpoint["rng_states"] = gathered_rng_states()
         checkpoint["reference_version"] = self.reference_version
         checkpoint["entropy_control"] = {"coef": self.entropy_coef, "last_entropy": self._last_entropy}
         if is_lora(self.policy):  # the adapters merged so far (the base in the state dict already holds them)
@@ -625,21 +627,8 @@ class GRPOModule(L.LightningModule):
             self._last_entropy = None if control["last_entropy"] is None else float(control["last_entropy"])
         if "lora_merge_log" in checkpoint and is_lora(self.policy):
             merge_log(self.policy).load_state_dict(checkpoint["lora_merge_log"])
-        rng = checkpoint.get("rng_states")
-        if not rng:
-            return
-        if isinstance(rng, list):
-            rank, world = rank_and_world()
-            if len(rng) != world:
-                raise ValueError(f"checkpoint holds the RNG states of {len(rng)} processes, this run has {world}; "
-                                 "resume with the same number of processes")
-            rng = rng[rank]
-        torch.set_rng_state(rng["torch"])
-        kind, keys, pos, has_gauss, cached = rng["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-        random.setstate(rng["python"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        if checkpoint.get("rng_states"):
+            restore_rng_states(checkpoint["rng_states"])
 
 
 def alpha_logprobs(batch: RolloutBatch, mb: MicroBatch, pik_logp: torch.Tensor) -> torch.Tensor:

@@ -28,3 +28,11 @@ def check_loss_aggregation(mode: str) -> None:
 
     if mode not in AGGREGATION_MODES:
         raise ValueError(f"unknown loss_aggregation {mode!r}; expected one of {AGGREGATION_MODES}")
+
+
+def check_head_chunk_mb(head_chunk_mb: float | None) -> None:
+    """The chunked head's budget, MiB of float32 logits per chunk of tokens (``lit_grpo.core.chunked_head``)."""
+    if head_chunk_mb is not None and not (isinstance(head_chunk_mb, (int, float)) and math.isfinite(head_chunk_mb)
+                                          and head_chunk_mb > 0):
+        raise ValueError(f"head_chunk_mb must be a finite number of MiB > 0 (null: the full logits, no chunks), "
+                         f"got {head_chunk_mb!r}")

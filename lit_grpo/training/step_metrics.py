@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from lit_grpo.core.batch import RolloutBatch
 from lit_grpo.math.tv import logprob_gap, tv_estimate
 from lit_grpo.training.flops import model_flops_utilisation, update_flops
 from lit_grpo.training.stat_reduction import ROLLOUT_PREFIX, iteration_key, over_iterations
@@ -197,16 +196,3 @@ def flops_metrics(tokens: float, iterations: int, update_seconds: float, cost: U
         metrics["train/mfu"] = model_flops_utilisation(flops, update_seconds, cost.devices, cost.peak_flops)
     return metrics
 
-
-def log_completions(logger: Any, tokenizer: Any, batch: RolloutBatch, step: int) -> None:
-    """First completion of each group with its reward, as markdown text in TensorBoard (a logger without
-    ``add_text``, or none, gets nothing)."""
-    writer = getattr(logger, "experiment", None)
-    if writer is None or not hasattr(writer, "add_text"):
-        return
-    lines = []
-    for row in range(0, batch.num_sequences, batch.group_size):
-        tokens = batch.completion_ids[row][batch.completion_mask[row].bool()]
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        lines.append(f"**reward {float(batch.rewards[row]):.3f}**\n\n    " + text.replace("\n", "\n    "))
-    writer.add_text("rollout/completions", "\n\n---\n\n".join(lines), global_step=step)

@@ -651,5 +651,9 @@ def check_servers(options: ServerOptions) -> None:
     try:
         ServerEngine(**plain(options)).close()
     except ServerError as err:
+        if err.status in (401, 403):  # it answers, and refuses this token: starting it again would not help
+            raise ValueError(f"the rollout server refused this run's token, the token is wrong ({err}); expected "
+                             f"the token the server was started with, in data.engine_options.token or token_file "
+                             f"(or ${TOKEN_ENV}, ${TOKEN_FILE_ENV})") from None
         raise ValueError(f"the rollout server does not answer: {err}. Start it first (python -m lit_grpo serve) "
                          "or fix data.engine_options") from None

@@ -170,7 +170,7 @@ class KeptWeights:
 
     # ---- alpha --------------------------------------------------------------------------------------
     def score(self, layout: ScoringLayout, temperature: float, version: int) -> torch.Tensor | None:
-        """Log-probs ``[S, C]`` of the layout's completions under the kept weights, over the trainer's micro-batches
+        """Log-probs ``[S, C]`` of the layout's completions under the kept weights, over its padded micro-batches
         (``layout_logprobs``, the in-process engine's path), in the caller's precision context; ``None`` when
         the copy does not hold ``version`` or a merge changed the policy's base since the adapter's push."""
         if self.version is None or self.version != int(version):
