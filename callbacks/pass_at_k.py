@@ -40,6 +40,9 @@ class GSM8KPassAtK(Callback):
     With a multi-turn data module (``data.environment`` / ``data.tools``), each sample is a whole trajectory with the
     data module's environment, tools and chat template (its ``system_prompt`` then, not this one's), and ``dataset``'s
     rows are that environment's tasks (``lit_grpo.evaluation.pass_at_k``).
+
+    Several evaluations in one fit (other datasets, periods or budgets): give each a ``name``; each then logs
+    ``eval/<name>/pass@k``, prints its lines with its name and keeps its own state in checkpoints.
     """
 
     def __init__(
@@ -57,7 +60,14 @@ class GSM8KPassAtK(Callback):
         at_end: bool = True,
         seed: int = 1234,
         judge: str = "correctness",
+        name: str | None = None,
     ) -> None:
+        if name is not None and (not isinstance(name, str) or not name or "/" in name or name != name.strip()):
+            raise ValueError(f"GSM8KPassAtK name must be a non-empty word without '/' or spaces at its ends, "
+                             f"got {name!r}")
+        #: where the metrics go: ``eval/pass@k``, or ``eval/<name>/pass@k`` for one of several evaluations
+        self.name = name
+        self.prefix = "eval" if name is None else f"eval/{name}"
         if num_questions is not None and num_questions < 1:
             raise ValueError(f"num_questions must be >= 1 or None, got {num_questions}")
         if every_n_batches is not None:
@@ -89,7 +99,7 @@ class GSM8KPassAtK(Callback):
                                      trajectories=self.trajectories)
         record = {"step": float(trainer.global_step), **{f"pass@{k}": v for k, v in results.items()}}
         self.history.append(record)
-        metrics = {f"eval/pass@{k}": v for k, v in results.items()}
+        metrics = {f"{self.prefix}/pass@{k}": v for k, v in results.items()}
         # x = rollout batches done (0 before training): the axis of the training metrics, one point per batch;
         # Lightning's own counter lags by one inside on_train_batch_end, which would put it before its batch
         for logger in trainer.loggers:
@@ -97,8 +107,9 @@ class GSM8KPassAtK(Callback):
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in metrics.items()})
         if trainer.is_global_zero:
             # in the terminal too (the bar shows the training reward only); tqdm.write puts the line above the bar
-            tqdm.write(pass_at_k_line(trainer.global_step, results, len(self.rows), self.settings.num_samples,
-                                      self.source))
+            line = pass_at_k_line(trainer.global_step, results, len(self.rows), self.settings.num_samples,
+                                  self.source)
+            tqdm.write(line if self.name is None else f"{self.name}: {line}")
         return results
 
     def _evaluated_at(self, step: int) -> bool:
@@ -108,6 +119,11 @@ class GSM8KPassAtK(Callback):
         """Hold the module to the protocol before the first batch: a causal-LM ``policy`` and a ``tokenizer``
         (``lit_grpo.callbacks.protocol.check_pass_at_k``)."""
         check_pass_at_k(pl_module)
+        same = [c for c in trainer.callbacks
+                if isinstance(c, GSM8KPassAtK) and c is not self and c.prefix == self.prefix]
+        if same:  # two series in one would put two values at one step
+            raise ValueError(f"{len(same) + 1} GSM8KPassAtK callbacks would log under {self.prefix}/pass@k: give "
+                             "each its own name (e.g. name: gsm8k, name: math500)")
         datamodule = getattr(trainer, "datamodule", None)
         runner = getattr(datamodule, "trajectory_runner", None)
         self.trajectories = runner(pl_module.tokenizer) if callable(runner) else None
@@ -147,9 +163,11 @@ class GSM8KPassAtK(Callback):
 
     @property
     def state_key(self) -> str:
-        # unique per period, so two instances (e.g. different units) can be checkpointed side by side
+        # unique per period, and per name when named, so several instances can be checkpointed side by side; an
+        # unnamed one keeps the key of the checkpoints written before names existed
+        named = {} if self.name is None else {"name": self.name}
         return self._generate_state_key(every_n_batches=self.interval.every_n_batches,
-                                        every_n_optimizer_steps=self.interval.every_n_optimizer_steps)
+                                        every_n_optimizer_steps=self.interval.every_n_optimizer_steps, **named)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": list(self.history), "boundaries_done": self.boundaries_done,

@@ -226,6 +226,7 @@ OPTIONS: dict[str, str] = {
     'eval.at_end': 'bool',
     'eval.seed': 'int',
     'eval.judge': 'str',
+    'eval.name': 'str|null',
     'ckpt_path': 'str|null',
     'weights_only': 'bool|null',
 }
