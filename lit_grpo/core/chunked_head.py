@@ -26,6 +26,7 @@ root a different number of times.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -129,7 +130,19 @@ def head_chunk_tokens(model: nn.Module, head_chunk_mb: float | None) -> int | No
 
 def hidden_only(device: torch.device) -> dict[str, object]:
     """The forward's keyword arguments that return the last hidden state and apply the head to no position."""
-    return {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=device), "output_hidden_states": [-1]}
+    return {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=device),
+            "output_hidden_states": [-1] if _selects_hidden_states() else True}
+
+
+@functools.lru_cache(maxsize=1)
+def _selects_hidden_states() -> bool:
+    """Whether this transformers returns only the listed layers for ``output_hidden_states=[-1]`` (5.24 does;
+    5.19, the newest vLLM 0.32 allows, returns none for a list). Where it does not, every layer's hidden states are
+    asked for: references to activations that the backward keeps anyway, the last of them the head's input."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version("5.24")
 
 
 def final_hidden(output: object) -> torch.Tensor:
