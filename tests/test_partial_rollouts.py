@@ -38,6 +38,9 @@ from lit_grpo.wire.protocol import ServerError
 TEXTS = ("What is 2+2?", "Name a prime.")
 #: long enough (the tiny model ends a row with probability ~1/100 per token) that a push lands mid-generation
 LONG = SamplingConfig(max_new_tokens=400, temperature=1.0)
+#: a request seed whose rows all run long (lengths 27 49 70 162 168 200 234 329 without a push); seed 11's longest
+#: ended at 51 tokens, before a push could land on a fast machine
+SEED = 1
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +124,7 @@ def test_a_push_mid_generation_keeps_the_sequences_and_labels_each_token_with_it
     model, _, _ = tiny
     engine = keeping_engine(server, tiny)
     new = perturbed(model, 0)
-    groups = push_mid_generation(server, tiny, engine, new, 2, seed=11)
+    groups = push_mid_generation(server, tiny, engine, new, 2, seed=SEED)
     completions = [c for g in groups for c in g]
     mixed = [c for c in completions if len(c.versions) > 1]
     assert mixed, [(c.versions, len(c.token_ids)) for c in completions]
@@ -137,13 +140,13 @@ def test_a_push_mid_generation_keeps_the_sequences_and_labels_each_token_with_it
         else:  # ended before the push: one version, no spans
             assert c.versions == ("1",) and c.span_lengths == ()
     # exactly the in-process decoding whose weights were swapped after step `cut`: tokens and sampler log-probs
-    swapped = [c for g in decode_with_swap(tiny, model, new, cut, seed=11) for c in g]
+    swapped = [c for g in decode_with_swap(tiny, model, new, cut, seed=SEED) for c in g]
     for got, expected in zip(completions, swapped, strict=True):
         assert got.token_ids == expected.token_ids
         assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
     # the tokens before the push are the old weights' own (the same decoding without a swap), and after it the new
     # weights sampled: the sequences part from the old weights' continuation
-    unswapped = [c for g in decode_with_swap(tiny, model, new, None, seed=11) for c in g]
+    unswapped = [c for g in decode_with_swap(tiny, model, new, None, seed=SEED) for c in g]
     assert all(got.token_ids[:cut] == old.token_ids[:cut] for got, old in zip(completions, unswapped, strict=True))
     parted = [got.token_ids != old.token_ids for got, old in zip(completions, unswapped, strict=True)
               if len(got.versions) > 1]
