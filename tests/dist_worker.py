@@ -30,7 +30,7 @@ KEYS = ("train/loss", "train/kl", "rollout/reward_mean", "rollout/reward_std", "
         "train/ratio_first_iteration_max", "train/ratio_mean", "train/clip_low_fraction", "train/entropy",
         "train/grad_norm", "train/update_flops", "rollout/staleness_mean", "rollout/staleness_max",
         "rollout/mixed_versions", "rollout/producer_waits", "train/reference_served", "train/padded_fraction",
-        "rollout/token_staleness_mean", "rollout/token_staleness_max")
+        "rollout/token_staleness_mean", "rollout/token_staleness_max", "rollout/servers_up")
 #: gradient reductions this process made in the current job (DDP comm-hook calls, FSDP2 reduce-scatters)
 REDUCTIONS = {"count": 0}
 
@@ -164,8 +164,10 @@ class KillServer(MetricsRecorder):
         import os
         import signal
 
-        if trainer.global_rank == 0 and batch_idx + 1 == self.after_batch:
+        # once: batch_idx counts from 0 again in every epoch
+        if trainer.global_rank == 0 and trainer.global_step == self.after_batch and self.pid is not None:
             os.kill(self.pid, signal.SIGKILL)
+            self.pid = None
 
 
 def wait_until_serving(url: str, timeout_s: float = 240.0) -> None:

@@ -62,6 +62,6 @@ def test_two_unnamed_evaluations_are_refused_in_one_line(tmp_path):
     evaluate = dict(num_samples=2, ks=[1], num_questions=1, max_new_tokens=4, system_prompt=None, at_end=False)
     trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[GSM8KPassAtK(every_n_batches=1, **evaluate),
                                                              GSM8KPassAtK(every_n_batches=2, **evaluate)])
-    with pytest.raises(ValueError, match=r"^2 GSM8KPassAtK callbacks would log under eval/pass@k: give each its "
+    with pytest.raises(ValueError, match=r"^2 Pass@k evaluations would log under eval/pass@k: give each its "
                                          r"own name \(e.g. name: gsm8k, name: math500\)$"):
         trainer.fit(tiny_module(), datamodule=tiny_data())

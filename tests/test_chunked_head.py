@@ -319,7 +319,7 @@ def test_a_family_it_does_not_handle_is_refused_in_one_line_and_scored_whole() -
 def test_the_module_refuses_a_bad_budget_and_an_unhandled_family(monkeypatch: pytest.MonkeyPatch) -> None:
     import lit_grpo.training.module as module
 
-    def tiny_with_multiplier(name: str, dtype: str) -> tuple[torch.nn.Module, object]:
+    def tiny_with_multiplier(name: str, dtype: str, attn_implementation=None) -> tuple[torch.nn.Module, object]:
         model = tiny_llama(VOCAB).float()
         model.config.lm_head_multiplier = 2.0
         return model, None

@@ -141,3 +141,28 @@ def test_fit_help_lists_the_parsers_options_in_order_with_its_defaults(tmp_path,
         for part in option.removeprefix("--").split("."):
             node = node[part]
         assert node == (yaml.safe_load(default) if default else None), option
+
+
+def test_every_eval_option_has_a_help_line(tmp_path, monkeypatch, capsys):
+    """``fit --help-all`` says what each ``eval.*`` option does, beyond its type and default (LightningCLI reads the
+    lines from the callback's docstring, so an option without one shows its type only)."""
+    import re
+
+    from lit_grpo.cli.commands import main
+    from lit_grpo.cli.option_table import OPTIONS
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lit_grpo"])
+    with pytest.raises(SystemExit):
+        main(["fit", "--help-all"])
+    full = capsys.readouterr().out
+    linked = {"eval.system_prompt", "eval.chat_template"}  # set by data.system_prompt / data.chat_template
+    keys = [key for key in OPTIONS if key.startswith("eval.") and key not in linked]
+    assert all(f"\n  --{key} " not in full for key in linked)
+    assert {"eval.max_new_tokens", "eval.problem_column", "eval.prompt_template"} <= set(keys)
+    for key in keys:
+        block = re.search(rf"\n  --{re.escape(key)}[ ,].*?(?=\n  --|\Z)", full, flags=re.S)
+        assert block is not None, key
+        text = " ".join(block.group(0).split())
+        help_text = text.split(f"--{key}", 1)[1].split("(type:", 1)[0]
+        assert len(re.sub(r"[A-Z_\[\],.+{}|]|true|false|ITEM", "", help_text).strip()) > 10, (key, text)

@@ -29,7 +29,8 @@ from lit_grpo.data.staleness import (
     token_versions,
 )
 from lit_grpo.engines.base import Completion, SamplingConfig
-from lit_grpo.engines.remote.client import ServerEngine, read_version_spans
+from lit_grpo.engines.remote.client import ServerEngine
+from lit_grpo.engines.remote.request_layout import read_version_spans
 from lit_grpo.engines.transformers_engine import TransformersEngine
 from lit_grpo.models.loading import eos_token_ids, load_model_and_tokenizer
 from lit_grpo.serve.generation import make_version_spans

@@ -251,9 +251,11 @@ def test_hung_or_dead_server_stops_the_client_within_its_timeout(servers, tiny):
     finally:
         b.proc.kill()  # a stopped process dies of SIGKILL too
         b.proc.wait()
-    for call in (lambda: engine.generate(prompts[:1], 2, SAMPLING, seed=0),
-                 lambda: engine.load_weights(policy.named_parameters(), step=43)):
+    # dead: a request is retried (lit_grpo.engines.remote.fleet.RETRY_DELAYS_S, 3.5 s), then waits for a server for
+    # the engine's timeout; a push waits the timeout for one to answer; each then names every server (here one)
+    for call, bound in ((lambda: engine.generate(prompts[:1], 2, SAMPLING, seed=0), 3.5 + 2.0 + 2.0),
+                        (lambda: engine.load_weights(policy.named_parameters(), step=43), 2.0 + 2.0)):
         start = time.monotonic()
-        with pytest.raises(ServerError, match=f"rollout server {b.url}: .*(refused|reset)"):
+        with pytest.raises(ServerError, match=rf"every rollout server is down \({b.url}\)"):
             call()
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < bound

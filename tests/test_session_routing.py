@@ -10,7 +10,7 @@ from test_multi_turn import SAMPLING, TOKENIZER, count_up
 from toy_environments import GuessTheNumber, ScriptedSampler
 
 from lit_grpo.data.multi_turn import MultiTurnOptions, TrajectoryRunner
-from lit_grpo.engines.remote.client import contiguous_runs
+from lit_grpo.engines.remote.request_layout import contiguous_runs
 from lit_grpo.engines.remote.session_routing import SessionRouter, spread_stats
 from lit_grpo.environments.rendering import ConversationRenderer
 from lit_grpo.environments.tool_calls import parse_hermes

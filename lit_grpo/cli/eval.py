@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--ckpt", help="a training checkpoint (.ckpt file or sharded directory)")
     parser.add_argument("--dataset", default="bundled", help="as data.dataset (default: the bundled GSM8K)")
     parser.add_argument("--split", default="test")
+    parser.add_argument("--problem_column", default=None, help="the column holding the problem (e.g. problem)")
+    parser.add_argument("--answer_column", default=None, help="the column holding the gold answer (e.g. answer)")
+    parser.add_argument("--prompt_template", default=None,
+                        help="the user message, the row's columns in braces, e.g. '{problem} Put the answer in "
+                             "\\boxed{}.'")
+    parser.add_argument("--dataset_config", default=None, help="a Hub dataset's config (default: its default)")
+    parser.add_argument("--no_chat_template", action="store_true", help="plain-text prompts (a base model)")
     parser.add_argument("--num_questions", type=int, default=None, help="first N questions (default: all)")
     parser.add_argument("--num_samples", type=int, default=50, help="samples per question (the paper: 50)")
     parser.add_argument("--ks", default="1", help="comma-separated k values, e.g. 1,8")
@@ -82,20 +89,24 @@ def main(argv: Sequence[str]) -> dict:
     import torch
 
     from lit_grpo.core.checkpoints import CheckpointError
+    from lit_grpo.data.columns import RowFormat
     from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
     from lit_grpo.data.rewards import RewardRunner
     from lit_grpo.engines.base import SamplingConfig
     from lit_grpo.evaluation.pass_at_k import PassAtKSettings, evaluate_pass_at_k, evaluation_rows, pass_at_k_table
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    fmt = RowFormat(args.problem_column, args.answer_column, args.prompt_template, not args.no_chat_template,
+                    args.dataset_config)
     settings = PassAtKSettings(
         num_samples=args.num_samples, ks=ks,
         sampling=SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p),
         questions_per_chunk=args.questions_per_chunk,
-        system_prompt=None if args.no_system_prompt else DEFAULT_SYSTEM_PROMPT, seed=args.seed,
+        system_prompt=None if args.no_system_prompt else DEFAULT_SYSTEM_PROMPT, seed=args.seed, row_format=fmt,
     )
     judge = RewardRunner([(args.judge, 1.0)])  # an unknown reward fails here, before the model loads
-    rows = evaluation_rows(args.dataset, args.split, args.num_questions)
+    # read as the training's rows are (columns, template, golds the judge checks), in one line if not
+    rows = evaluation_rows(args.dataset, args.split, args.num_questions, fmt=fmt, judge=judge, section="--")
     if args.ckpt and not Path(args.ckpt).exists():
         raise CheckpointError(f"checkpoint {args.ckpt} does not exist")
     model, tokenizer = load_policy(args)
@@ -103,7 +114,7 @@ def main(argv: Sequence[str]) -> dict:
     start = time.perf_counter()
     results = evaluate_pass_at_k(model, tokenizer, rows, settings, judge=judge, device=device)
     seconds = time.perf_counter() - start
-    report = {"source": args.model or args.ckpt, "dataset": args.dataset, "split": args.split,
+    report = {"source": args.model or args.ckpt, "dataset": args.dataset, "split": args.split, "judge": args.judge,
               "questions": len(rows), "num_samples": args.num_samples, "temperature": args.temperature,
               "max_new_tokens": args.max_new_tokens, "seed": args.seed, "seconds": seconds,
               "pass_at_k": {str(k): v for k, v in results.items()}}

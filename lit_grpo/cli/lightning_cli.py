@@ -103,12 +103,13 @@ class GRPOCLI(OneLineErrorsCLI):
         # evaluation is opt-in on the command line: the callback's own defaults are the paper's full test split x
         # 50 samples, hours on a CPU; a config switches it on with `eval.every_n_optimizer_steps` / `at_end`
         parser.set_defaults({"eval.every_n_optimizer_steps": None, "eval.at_end": False})
-        # One sampling config, in `data`: the loss must use the temperature the rollouts were sampled with,
-        # evaluation samples like training (the paper's Pass@1), and Dr.GRPO's constant normaliser is the
-        # generation budget.
+        # One sampling config, in `data`: the loss must use the temperature the rollouts were sampled with, and
+        # Dr.GRPO's constant normaliser is the generation budget. Evaluation samples like training (the paper's
+        # Pass@1) unless `eval.max_new_tokens` / `temperature` / `top_p` say otherwise (None: the training's, read
+        # when the fit starts): a reasoning model is evaluated at a budget longer than its training context.
         parser.link_arguments("data.temperature", "model.temperature")
         parser.link_arguments("data.max_new_tokens", "model.max_completion_length")
-        for key in ("temperature", "top_p", "max_new_tokens", "system_prompt"):
+        for key in ("system_prompt", "chat_template"):
             parser.link_arguments(f"data.{key}", f"eval.{key}")
         # One seed: `seed_everything` also seeds the rollouts (prompt order and sampling), which the data module
         # draws from its own seed so that they do not depend on the global RNG; `true` (a random seed) and
@@ -352,7 +353,8 @@ class GRPOCLI(OneLineErrorsCLI):
         # environment tasks: whole trajectories with the data section's environment, tools and chat template
         runner = datamodule.trajectory_runner(model.tokenizer) if hasattr(datamodule, "trajectory_runner") else None
         rows = evaluation_rows(config.get("eval.dataset"), split, config.get("eval.num_questions"),
-                               environment=runner is not None)
+                               environment=runner is not None, fmt=callback.settings.row_format, judge=callback.judge)
+        callback.follow_training(getattr(datamodule, "sampling", None))
         device = self._device(model)
         step = self._policy_from_checkpoint(model.policy)
         start = time.perf_counter()

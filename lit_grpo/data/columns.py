@@ -74,52 +74,57 @@ def placeholders(template: str) -> list[str]:
     return [m.group(1) for m in _PLACEHOLDER.finditer(template) if m.group(1)]
 
 
-def render(template: str, row: dict[str, Any], described: str, index: int) -> str:
-    """``template`` filled in with ``row``'s columns; a placeholder naming no column is one line."""
+def render(template: str, row: dict[str, Any], described: str, index: int, section: str = "data.") -> str:
+    """``template`` filled in with ``row``'s columns; a placeholder naming no column is one line (naming the option
+    as ``<section>prompt_template``)."""
     def fill(match: re.Match[str]) -> str:
         name = match.group(1)
         if name is None:
             return match.group(0)[0]  # "{{" -> "{", "}}" -> "}"
         if name not in row:
-            raise ValueError(f"{described}: row {index} has no column {name!r}, which data.prompt_template names "
+            raise ValueError(f"{described}: row {index} has no column {name!r}, which {section}prompt_template names "
                              f"({{{name}}}); its columns: {', '.join(map(str, row))}")
         return str(row[name])
 
     return _PLACEHOLDER.sub(fill, template)
 
 
-def check_row_format(fmt: RowFormat, dataset: str, environment: bool, tools: bool) -> None:
+def check_row_format(fmt: RowFormat, dataset: str, environment: bool, tools: bool,
+                     section: str = "data.") -> None:
     """Refuse a format that cannot apply, before any row is read: an empty column name, a template that names no
     column, columns or a template beside an environment (its rows are handed to it as they are), columns of a
-    dataset made in GSM8K's format here, and no chat template where multi-turn rendering needs one."""
+    dataset made in GSM8K's format here, and no chat template where multi-turn rendering needs one. ``section``: how
+    the lines name the options (``data.``, an evaluation's ``eval.``, the ``eval`` command's ``--``)."""
     for option in ("problem_column", "answer_column", "dataset_config"):
         value = getattr(fmt, option)
         if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise ValueError(f"data.{option}={value!r}: expected a non-empty name, or null")
+            raise ValueError(f"{section}{option}={value!r}: expected a non-empty name, or null")
     template = fmt.prompt_template
     if template is not None and (not isinstance(template, str) or not placeholders(template)):
-        raise ValueError(f"data.prompt_template={template!r} names no column, so every prompt would be the same; "
+        raise ValueError(f"{section}prompt_template={template!r} names no column, so every prompt would be the same; "
                          f"expected the problem's column in braces, e.g. '{{problem}} Think step by step.'")
-    named = [f"data.{o}" for o in ("problem_column", "answer_column", "prompt_template") if getattr(fmt, o) is not None]
+    named = [f"{section}{o}" for o in ("problem_column", "answer_column", "prompt_template")
+             if getattr(fmt, o) is not None]
     if named and environment:
         raise ValueError(f"{' and '.join(named)} beside data.environment: an environment's rows are handed to it as "
                          f"they are, and its reset() writes the first message; expected them unset with an environment")
     if fmt.by_columns and isinstance(dataset, str) and dataset.startswith(_OWN_FORMAT):
-        raise ValueError(f"data.problem_column / data.answer_column with dataset {dataset!r}, whose rows are made here "
-                         f"in GSM8K's format (question, answer); expected a file, a datasets folder or a Hub id to "
-                         f"name columns of")
+        raise ValueError(f"{section}problem_column / {section}answer_column with dataset {dataset!r}, whose rows "
+                         f"are made here in GSM8K's format (question, answer); expected a file, a datasets folder "
+                         f"or a Hub id to name columns of")
     if not fmt.chat_template and (environment or tools):
-        raise ValueError("data.chat_template=false with multi-turn rollouts (data.environment or data.tools): their "
-                         "turns and tool schemas are rendered by the chat template; expected data.chat_template: true")
+        raise ValueError(f"{section}chat_template=false with multi-turn rollouts (data.environment or data.tools): "
+                         f"their turns and tool schemas are rendered by the chat template; expected "
+                         f"{section}chat_template: true")
 
 
-def _cell(row: Any, index: int, column: str, option: str, described: str, numbers: bool) -> str:
+def _cell(row: Any, index: int, column: str, option: str, described: str, numbers: bool, section: str) -> str:
     """One row's value of ``column`` as text, or one line naming the dataset, the row and the column."""
     if not isinstance(row, Mapping):
         raise ValueError(f"{described}: row {index} is a {type(row).__name__}; expected rows with named columns")
     if column not in row:
         raise ValueError(f"{described}: row {index} has no column {column!r} (its columns: "
-                         f"{', '.join(map(str, row))}); expected data.{option} to name a column of every row")
+                         f"{', '.join(map(str, row))}); expected {section}{option} to name a column of every row")
     value = row[column]
     if isinstance(value, bool) or not isinstance(value, (str, int, float) if numbers else str):
         kinds = "text or a number" if numbers else "text"
@@ -132,37 +137,39 @@ def _cell(row: Any, index: int, column: str, option: str, described: str, number
     return text
 
 
-def column_rows(rows: list[Any], described: str, fmt: RowFormat) -> list[dict[str, str]]:
-    """Rows read by their columns as ``{"question", "answer", "gold"}`` (the template filled in)."""
+def column_rows(rows: list[Any], described: str, fmt: RowFormat, section: str = "data.") -> list[dict[str, str]]:
+    """Rows read by their columns as ``{"question", "answer", "gold"}`` (the template filled in); the lines of a
+    bad row name ``section``'s options."""
     problem, answer = fmt.columns
     out = []
     for index, row in enumerate(rows):
-        question = _cell(row, index, problem, "problem_column", described, numbers=False)
-        gold = _cell(row, index, answer, "answer_column", described, numbers=True)
+        question = _cell(row, index, problem, "problem_column", described, False, section)
+        gold = _cell(row, index, answer, "answer_column", described, True, section)
         if fmt.prompt_template is not None:
-            question = render(fmt.prompt_template, row, described, index)
+            question = render(fmt.prompt_template, row, described, index, section)
         out.append({"question": question, "answer": gold, "gold": gold})
     if not out:
         raise ValueError(f"{described}: no rows")
     return out
 
 
-def _numeric_gold(functions: list[tuple[str, RewardFn, float]]) -> bool:
+def numeric_gold(functions: list[tuple[str, RewardFn, float]]) -> bool:
     """GSM8K's gold must hold a number unless every reward judges golds of its own form and checks them itself."""
     return not functions or not all(hasattr(fn, "check_answer") for _, fn, _ in functions)
 
 
 def load_rows(dataset: str, split: str, fmt: RowFormat, functions: list[tuple[str, RewardFn, float]],
-              environment: bool) -> list[dict[str, Any]]:
+              environment: bool, section: str = "data.") -> list[dict[str, Any]]:
     """The rows of ``dataset``'s ``split`` in ``fmt`` (``functions``: the data module's reward functions, as
     ``RewardRunner.functions``)."""
     if environment or not fmt.by_columns:
-        rows = load_task_rows(dataset, split, environment, fmt.dataset_config, _numeric_gold(functions))
+        rows = load_task_rows(dataset, split, environment, fmt.dataset_config, numeric_gold(functions))
         if fmt.prompt_template is not None:  # GSM8K's rows: their question, answer and gold are the columns
-            rows = [{**row, "question": render(fmt.prompt_template, row, dataset, i)} for i, row in enumerate(rows)]
+            rows = [{**row, "question": render(fmt.prompt_template, row, dataset, i, section)}
+                    for i, row in enumerate(rows)]
         return rows
     raw, described = read_rows(dataset, split, fmt.dataset_config)
-    return column_rows(raw, described, fmt)
+    return column_rows(raw, described, fmt, section)
 
 
 def _bounded_check(check: Callable[[str], str | None], answer: str, timeout_s: float | None) -> str | None:
@@ -214,5 +221,5 @@ def run_rows(dataset: str, split: str, fmt: RowFormat, runner: RewardRunner, env
     return used
 
 
-__all__ = ["RowFormat", "check_answers", "check_row_format", "column_rows", "load_rows",
+__all__ = ["RowFormat", "check_answers", "check_row_format", "column_rows", "load_rows", "numeric_gold",
            "placeholders", "render", "run_rows"]

@@ -55,6 +55,7 @@ from lit_grpo.data.sampler_check import DEFAULT_MAX_GAP, DEFAULT_SEQUENCES, Samp
 from lit_grpo.data.server_reference import ServerReference
 from lit_grpo.data.staleness import check_staleness_setup, mixes_versions, staleness_stats, weight_version_of
 from lit_grpo.data.tasks import default_environment, system_prompt_for
+from lit_grpo.data.thinking import prompt_ids_open_thought
 from lit_grpo.engines.base import Completion, RemoteEngine, RolloutEngine, Rollouts, SamplingConfig
 from lit_grpo.engines.options import ServerOptions, TransformersOptions, VLLMOptions
 from lit_grpo.environments.protocol import resolve_environment
@@ -268,6 +269,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.batch_scores: BatchScores | None = None  # the last batch's, for the sampled-completions table
         self.rollout_engine: RolloutEngine | None = None
         self.tokenizer = None
+        self._opened_thought: tuple[Any, bool] | None = None  # (tokenizer, whether its prompts open a thought)
         self._prompt_cache: dict[int, list[int]] = {}
         self._epoch_orders: dict[int, list[int]] = {}
         #: the batches of this rank, requested ``max_staleness`` ahead of the trainer (none ahead at K = 0)
@@ -321,6 +323,7 @@ class RolloutDataModule(L.LightningDataModule):
                 raise TypeError(f"RolloutDataModule needs the LightningModule to expose `{attr}`")
         self.tokenizer = module.tokenizer
         self.trajectories = self.trajectory_runner(self.tokenizer)
+        self.opened_thought()  # read now, on this thread, before a producer scores a batch
         check_staleness_setup(self.max_staleness, self.engine_kind, self.trainer.callbacks)
         # the server scores pi_ref only when the module has a KL term to use it in
         self.scores_reference = self.reference_on_server and bool(getattr(module, "uses_reference", False))
@@ -399,6 +402,16 @@ class RolloutDataModule(L.LightningDataModule):
                 else self.row_format.prompt_ids(self.tokenizer, self.rows[row]["question"], self.system_prompt)
         return self._prompt_cache[row]
 
+    def opened_thought(self) -> bool:
+        """Whether the generation prompt opens a reasoning model's thought (``lit_grpo.data.thinking``), read once per
+        tokenizer from the first row's prompt (every prompt ends the same); multi-turn trajectories are judged as
+        they are."""
+        if self.is_multi_turn:
+            return False
+        if self._opened_thought is None or self._opened_thought[0] is not self.tokenizer:
+            self._opened_thought = (self.tokenizer, prompt_ids_open_thought(self.tokenizer, self.prompt_ids(0)))
+        return self._opened_thought[1]
+
     def module_device(self) -> torch.device:
         """The trainer's device (the CPU outside a trainer): where a batch is built."""
         return self.trainer.lightning_module.device if self.trainer is not None else torch.device("cpu")
@@ -471,10 +484,12 @@ class RolloutDataModule(L.LightningDataModule):
 
     def score_groups(self, rows: list[int], groups: list[list[Completion]]) -> Scored:
         """The rewards of the groups sampled for dataset ``rows`` (flat, prompt-major), the overlong penalty added. A
-        trajectory's reward is its environment's, plus the reward functions' score of its last model turn."""
+        trajectory's reward is its environment's, plus the reward functions' score of its last model turn. A
+        completion whose thought never ends is flagged truncated here (``batch_rewards.score_completions``)."""
         flat = [c for g in groups for c in g]
         answers = [str(self.rows[r].get("answer", "")) for r in rows for _ in range(self.num_generations)]
-        scored = score_completions(self.reward_runner, flat, answers, self.tokenizer, self.overlong_penalties(groups))
+        scored = score_completions(self.reward_runner, flat, answers, self.tokenizer,
+                                   partial(self.overlong_penalties, groups), self.opened_thought())
         self.count_env_errors(flat, [self.rows[r] for r, g in zip(rows, groups) for _ in g])
         return scored
 

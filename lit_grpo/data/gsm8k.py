@@ -166,7 +166,12 @@ def load_gsm8k(source: str = "bundled", split: str = "train", config: str | None
 def read_rows(source: str, split: str, config: str | None = None) -> tuple[list[Any], str]:
     """The rows of a local file, a directory's split, a ``save_to_disk`` folder or a Hub dataset, as they are
     (unchecked), and the source in words for messages: what :func:`load_gsm8k` checks as GSM8K, what
-    :mod:`lit_grpo.data.columns` reads by its columns, and environments' tasks read as plain dicts."""
+    :mod:`lit_grpo.data.columns` reads by its columns, and environments' tasks read as plain dicts. ``latex:<task>``
+    names a LaTeX-answer set generated here (:mod:`lit_grpo.data.latex_tasks`), in DeepScaleR's columns."""
+    if source.startswith("latex:"):
+        from lit_grpo.data.latex_tasks import load_latex_task
+
+        return load_latex_task(source, split), f"{source} {split}"
     path = Path(source).expanduser()
     if is_saved_dataset(path):
         return read_saved(path, split), str(path)

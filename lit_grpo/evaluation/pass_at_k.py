@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from lit_grpo.core.distributed import everyone, is_distributed, rank_and_world
+from lit_grpo.data.columns import RowFormat, check_answers, check_row_format, load_rows
 from lit_grpo.data.multi_turn import QuestionEnvironment, TrajectoryRunner
-from lit_grpo.data.prompts import prompt_ids
 from lit_grpo.data.rewards import RewardRunner
-from lit_grpo.data.tasks import load_task_rows
+from lit_grpo.data.thinking import judged_text, prompt_ids_open_thought
 from lit_grpo.engines.base import Completion, Rollouts, SamplingConfig
 from lit_grpo.engines.transformers_engine import TransformersEngine
 from lit_grpo.evaluation.metric import PassAtK
@@ -38,7 +38,9 @@ from lit_grpo.models.loading import eos_token_ids, pad_token_id
 
 @dataclass(frozen=True)
 class PassAtKSettings:
-    """How a Pass@k evaluation samples: ``num_samples`` answers per question with ``sampling``."""
+    """How a Pass@k evaluation samples: ``num_samples`` answers per question with ``sampling``, each question's
+    prompt made by ``row_format`` (its template was applied when the rows were read; here: the chat template on or
+    off)."""
 
     num_samples: int = 50
     ks: tuple[int, ...] = (1,)
@@ -46,6 +48,7 @@ class PassAtKSettings:
     questions_per_chunk: int = 4
     system_prompt: str | None = None
     seed: int = 1234
+    row_format: RowFormat = RowFormat()
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -90,6 +93,7 @@ def evaluate_pass_at_k(
     metric = PassAtK(settings.ks).to(device)
     mine = chunks_of_rank(question_chunks(len(rows), settings.questions_per_chunk), rank, world)
     last_real: list[int] = next((c for c in reversed(mine) if c), [0])
+    opened = False  # whether the prompts open a thought for the completion (R1-Distill's chat template does)
     for chunk in mine:
         work = chunk or last_real  # an empty slot still runs the same forwards as the other ranks
         seed = settings.seed * 1_000_003 + work[0]
@@ -100,36 +104,48 @@ def evaluate_pass_at_k(
             groups = trajectories.run([rows[i] for i in work], settings.num_samples, sample, settings.sampling, seed,
                                       keep_going=lockstep).groups
         else:
-            prompts = [prompt_ids(tokenizer, rows[i]["question"], settings.system_prompt) for i in work]
+            prompts = [settings.row_format.prompt_ids(tokenizer, rows[i]["question"], settings.system_prompt)
+                       for i in work]
+            opened = prompt_ids_open_thought(tokenizer, prompts[0])
             groups = engine.generate(prompts, settings.num_samples, settings.sampling, seed=seed,
                                      all_finished=lockstep)
         if not chunk:
             continue
         answers = [str(rows[i].get("answer", "")) for i in chunk for _ in range(settings.num_samples)]
-        scores = sample_scores(groups, answers, judge, tokenizer, trajectories)
+        scores = sample_scores(groups, answers, judge, tokenizer, trajectories, opened_thought=opened)
         correct = torch.tensor(scores).view(len(chunk), settings.num_samples) > 0.5
         metric.update(correct.sum(dim=1), settings.num_samples)
     return {k: float(v) for k, v in metric.compute().items()}
 
 
 def sample_scores(groups: list[list[Completion]], answers: list[str], judge: RewardRunner, tokenizer: Any,
-                  trajectories: TrajectoryRunner | None = None) -> list[float]:
-    """Each sample's score (flat, prompt-major): the judge's score of a completion, or of a trajectory's last model
-    turn when it has tools only; an environment's reward when the task has an environment."""
+                  trajectories: TrajectoryRunner | None = None, opened_thought: bool = False) -> list[float]:
+    """Each sample's score (flat, prompt-major): the judge's score of a completion (after the ``<think>`` its prompt
+    opened, ``opened_thought``: ``lit_grpo.data.thinking``), or of a trajectory's last model turn when it has tools
+    only; an environment's reward when the task has an environment."""
     flat = [c for g in groups for c in g]
     if trajectories is not None and trajectories.make_environment is not QuestionEnvironment:
         return [float(c.trajectory["env_reward"]) for c in flat]
     texts = [c.trajectory["final_text"] if c.trajectory is not None
-             else tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
+             else judged_text(tokenizer.decode(c.token_ids, skip_special_tokens=True), opened_thought) for c in flat]
     return list(judge(texts, answers).rewards)
 
 
-def evaluation_rows(dataset: str, split: str, num_questions: int | None,
-                    environment: bool = False) -> list[dict[str, Any]]:
+def evaluation_rows(dataset: str, split: str, num_questions: int | None, environment: bool = False,
+                    fmt: RowFormat | None = None, judge: RewardRunner | None = None,
+                    section: str = "eval.") -> list[dict[str, Any]]:
     """The questions of ``split`` of ``dataset`` that an evaluation reads: the first ``num_questions`` (all when
-    None); an environment's task rows as they are (``lit_grpo.data.tasks``)."""
-    rows = load_task_rows(dataset, split=split, environment=environment)
-    return rows if num_questions is None else rows[:num_questions]
+    None), read as the data module reads its own (:func:`lit_grpo.data.columns.load_rows`: by ``fmt``'s columns and
+    template, else GSM8K's format); an environment's task rows as they are (``lit_grpo.data.tasks``). A judge that
+    checks golds (``math_verify``) reads each question's gold first: one it cannot judge is one line, before any
+    sampling. ``section``: how those lines name the options (``eval.``, ``--``)."""
+    fmt = fmt or RowFormat()
+    check_row_format(fmt, dataset, environment, tools=False, section=section)
+    rows = load_rows(dataset, split, fmt, judge.functions if judge is not None else [], environment, section)
+    rows = rows if num_questions is None else rows[:num_questions]
+    if judge is not None and not environment:
+        check_answers(rows, {id(row): i for i, row in enumerate(rows)}, f"{dataset} {split}", judge)
+    return rows
 
 
 def evaluate_pass_at_k_float32(policy: nn.Module, tokenizer: Any, rows: Sequence[dict], settings: PassAtKSettings,

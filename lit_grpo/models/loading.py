@@ -165,13 +165,17 @@ def load_smollm2(dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokeniz
     return model.to(dtype), tokenizer
 
 
-def load_model_and_tokenizer(name: str, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_model_and_tokenizer(name: str, dtype: str = "float32",
+                             attn_implementation: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)`` for an alias, a local directory or a Hub id; raise ``ValueError`` naming
     ``name`` when none of these works. A tokenizer without a pad token (GPT-2, Llama 3) gets its eos token as the
     pad token, as peers do: it is this call's own tokenizer, so nobody else's object changes (for a tokenizer of
-    one's own, :func:`pad_token_id` gives the same id without changing it)."""
+    one's own, :func:`pad_token_id` gives the same id without changing it). ``attn_implementation``: the attention
+    kernel (:func:`set_attention`); ``None``: transformers' choice (sdpa where it can)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    if attn_implementation is not None:
+        check_attention_name(attn_implementation)  # before the weights load
     torch_dtype = DTYPES[dtype]
     if name in ALIAS_LOADERS:
         model, tokenizer = alias_loader(name)(torch_dtype)
@@ -189,7 +193,41 @@ def load_model_and_tokenizer(name: str, dtype: str = "float32") -> tuple[PreTrai
             ) from err
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    if attn_implementation is not None:
+        set_attention(model, attn_implementation)
     return model, tokenizer
+
+
+#: the attention kernels of transformers by name (a Hub kernel, ``owner/repo``, is taken as well)
+ATTENTION_KERNELS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+def check_attention_name(attn_implementation: str) -> None:
+    """Refuse, before any weights load, a kernel name transformers does not know, and ``flash_attention_2`` where
+    its package is missing (the one a GPU user asks for most, and the one most often not installed)."""
+    if not isinstance(attn_implementation, str) or not (attn_implementation in ATTENTION_KERNELS
+                                                        or "/" in attn_implementation.strip("/")):
+        raise ValueError(f"model.attn_implementation={attn_implementation!r}: expected one of "
+                         f"{', '.join(ATTENTION_KERNELS)}, a Hub kernel (owner/repo), or null")
+    from transformers.utils import is_flash_attn_2_available
+
+    if attn_implementation == "flash_attention_2" and not is_flash_attn_2_available():
+        raise ValueError("model.attn_implementation='flash_attention_2' needs the flash-attn package and a CUDA GPU, "
+                         "and this machine has not both; expected sdpa (or flex_attention) here")
+
+
+def set_attention(model: PreTrainedModel, attn_implementation: str) -> None:
+    """Switch ``model`` to the attention kernel ``attn_implementation`` (``sdpa``, ``eager``, ``flex_attention``,
+    ``flash_attention_2`` / ``_3``, or a Hub kernel transformers takes), or one line saying why it cannot: on a GPU,
+    ``flash_attention_2`` runs a packed row's sequences with the variable-length kernel (no T x T mask); here it is
+    transformers that checks the kernel's package and the model's support for it."""
+    check_attention_name(attn_implementation)
+    try:
+        model.set_attn_implementation(attn_implementation)
+    except (ImportError, ValueError, NotImplementedError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"model.attn_implementation={attn_implementation!r} cannot be used with "
+                         f"{type(model).__name__}: {first}") from err
 
 
 def pad_token_id(tokenizer) -> int:  # noqa: ANN001 (a Hugging Face tokenizer)

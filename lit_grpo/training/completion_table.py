@@ -3,7 +3,8 @@ that can take one: TensorBoard (a markdown table as text), Weights & Biases (a `
 table artifact) and CSV (rows appended to ``completions.csv`` beside ``metrics.csv``). Other loggers get nothing.
 
 A row is the first completion of a group: its prompt, the prompt's gold answer, the completion's thinking apart
-from its answer where the text has ``</think>``, the reward it was trained with and each reward function's
+from its answer where the text has ``</think>`` (all of it thinking, no answer, when the prompt opened a thought that
+the completion never closed: ``lit_grpo.data.thinking``), the reward it was trained with and each reward function's
 unweighted score of it (``reward/<name>``; not known for a batch formed by dynamic sampling over several rounds),
 its advantage (eq. 2), its length in the model's tokens, whether it hit ``max_new_tokens`` and the step's staleness.
 Bounded: the first :data:`MAX_ROWS` groups of the batch, each text cut at :data:`MAX_CHARS` characters, so that a
@@ -18,6 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lit_grpo.core.batch import RolloutBatch
+from lit_grpo.data.latex_answers import THINK_CLOSE, THINK_OPEN
+from lit_grpo.data.thinking import prompt_opens_thought
 
 #: the tag (TensorBoard, W&B) and file name stem (CSV, MLflow) of the table
 KEY = "rollout/completions"
@@ -25,17 +28,16 @@ CSV_FILE = "completions.csv"
 MLFLOW_FOLDER = "completions"  # the run's artifact folder of the tables, one JSON file per logged step
 MAX_ROWS = 8
 MAX_CHARS = 1000
-THINK_END = "</think>"
-THINK_START = "<think>"
 
 
-def split_thinking(text: str) -> tuple[str, str]:
+def split_thinking(text: str, opened: bool = False) -> tuple[str, str]:
     """``(thinking, answer)`` of a completion: the text before ``</think>`` (without an opening ``<think>``) and
-    the text after it; no ``</think>``: no thinking, the whole text is the answer."""
-    head, sep, tail = text.partition(THINK_END)
+    the text after it. No ``</think>``: the whole text is the answer, or, where the prompt opened the thought
+    (``opened``), the whole text is a thought that never ended and there is no answer."""
+    head, sep, tail = text.partition(THINK_CLOSE)
     if not sep:
-        return "", text.strip()
-    return head.replace(THINK_START, "", 1).strip(), tail.strip()
+        return (text.strip(), "") if opened else ("", text.strip())
+    return head.replace(THINK_OPEN, "", 1).strip(), tail.strip()
 
 
 def _cut(text: str) -> str:
@@ -57,9 +59,11 @@ def completion_table(batch: RolloutBatch, tokenizer: Any, step: int, staleness: 
         group = int(batch.group_index[row])
         prompt = batch.prompt_ids[group][batch.prompt_mask[group].bool()]
         tokens = batch.completion_ids[row][mask[row].bool()]
-        thinking, answer = split_thinking(tokenizer.decode(tokens, skip_special_tokens=True))
+        prompt_text = tokenizer.decode(prompt, skip_special_tokens=True)  # as the data module reads it, uncut
+        thinking, answer = split_thinking(tokenizer.decode(tokens, skip_special_tokens=True),
+                                          prompt_opens_thought(prompt_text))
         gold = scores.answers[group] if scores is not None and group < len(scores.answers) else ""
-        rows.append([step, _cut(tokenizer.decode(prompt, skip_special_tokens=True)), _cut(gold), _cut(thinking),
+        rows.append([step, _cut(prompt_text), _cut(gold), _cut(thinking),
                      _cut(answer), float(batch.rewards[row]), *(float(scores.per_function[n][row]) for n in names),
                      float(batch.advantages[row]), int(mask[row].sum()), bool(batch.truncated[row]), int(staleness)])
     return columns, rows

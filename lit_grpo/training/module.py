@@ -132,6 +132,9 @@ class GRPOModule(L.LightningModule):
         head_chunk_mb: past this many MiB of float32 logits in a micro-batch, the lm head runs on chunks of tokens
             that fit it and a chunk's logits are recomputed in the backward (``lit_grpo.core.chunked_head``, where
             the default of 256 is explained; docs/speed.md); null: the full logits, the reference it equals.
+        attn_implementation: the policy's (and pi_ref's) attention kernel: ``sdpa``, ``eager``, ``flex_attention``,
+            ``flash_attention_2`` (a GPU with flash-attn: packed rows without a T x T mask); null: transformers' own
+            choice.
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class GRPOModule(L.LightningModule):
         lora: LoraArgs | None = None,
         packing: bool = False,
         head_chunk_mb: float | None = DEFAULT_HEAD_CHUNK_MB,
+        attn_implementation: str | None = None,
     ) -> None:
         super().__init__()
         quiet_lightning()  # for a Trainer built after the module, outside the command line
@@ -196,7 +200,7 @@ class GRPOModule(L.LightningModule):
         lora = None if self.lora_args is None else plain(self.lora_args)
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.policy, self.tokenizer = load_model_and_tokenizer(model_name, dtype)
+        self.policy, self.tokenizer = load_model_and_tokenizer(model_name, dtype, attn_implementation)
         disable_dropout(self.policy)
         # counted now, before any sharding: the whole model's N, on every rank (the FLOPs behind train/mfu)
         self.policy_parameters = parameter_count(self.policy)

@@ -103,9 +103,12 @@ class ServerError(RuntimeError):
     """A rollout server could not be reached or answered with an error (client side); the message names its
     URL."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, lost: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        #: the connection was refused, reset or closed without an answer: the server is down or restarting (a
+        #: timeout is not this: a slow server may still be working on the request)
+        self.lost = lost
 
 
 @dataclass(frozen=True)
@@ -271,7 +274,9 @@ class HTTPClient:
             raise ServerError(f"{where} returned {err.code}: {error_message(err)}", status=err.code) from None
         except (urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", err)
-            raise ServerError(f"{where} failed: {reason} (timeout {timeout:g} s)") from None
+            # http.client.RemoteDisconnected is a ConnectionResetError; a refused connection comes inside URLError
+            lost = isinstance(reason, (ConnectionRefusedError, ConnectionResetError, BrokenPipeError))
+            raise ServerError(f"{where} failed: {reason} (timeout {timeout:g} s)", lost=lost) from None
 
     def request(self, method: str, path: str, body: dict | None = None, query: dict | None = None,
                 timeout_s: float | None = None, headers: dict[str, str] | None = None) -> dict:

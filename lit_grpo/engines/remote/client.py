@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,22 +50,27 @@ from lit_grpo.engines.base import (
     ScoringLayout,
 )
 from lit_grpo.engines.options import ServerOptions
+from lit_grpo.engines.remote.adapter_push import AdapterPushing
 from lit_grpo.engines.remote.connection import RouterConnection, ServerConnection
+from lit_grpo.engines.remote.fleet import Fleet
 from lit_grpo.engines.remote.kept_weights import LORA_SPEC_KEY, MERGES_KEY, KeptWeights
 from lit_grpo.engines.remote.prefix_cache import PrefixCacheMeter, counters_of
 from lit_grpo.engines.remote.reference_client import ReferenceClient
+from lit_grpo.engines.remote.request_layout import (
+    CHUNK_SEED_STRIDE,
+    SEED_MODULUS,
+    Request,
+    contiguous_runs,
+    read_version_spans,
+)
 from lit_grpo.engines.remote.session_routing import SessionRouter, spread_stats
 from lit_grpo.engines.remote.weight_push import WeightPusher
 from lit_grpo.engines.sampling_fields import vllm_sampling_fields
 from lit_grpo.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV, find_token
 from lit_grpo.wire.protocol import ServerError, version_text
 
-#: seeds of the chunks after the first when prompts are spread over several servers
-CHUNK_SEED_STRIDE = 1_000_003
-SEED_MODULUS = 2**62
 
-
-class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
+class ServerEngine(AdapterPushing, RemoteEngine, ReferenceServing, AdapterEngine):
     """Rollouts from rollout servers (``data.engine: server``, ``data.engine_options: {url: ..., ...}``).
 
     Args:
@@ -127,7 +132,9 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         self.partial_rollouts = False
         #: pushes begun so far: a completion that reports no version is labelled only if none began while it ran
         self.pushes_started = 0
-        self.pusher = WeightPusher(self.servers, options, self._server_dtype(options.dtype), policy)
+        #: which servers are up (``lit_grpo.engines.remote.fleet``): a dead one costs a retry, not the run
+        self.fleet = Fleet(self.servers, self.timeout_s)
+        self.pusher = WeightPusher(self.servers, options, self._server_dtype(options.dtype), policy, self.fleet)
         self.reference = ReferenceClient(self.servers[0], self.generate_timeout_s)
         self._merges_applied: int | None = None  # asked of the servers at the first LoRA push
         self.vllm_adapters = None  # kind vllm with model.lora: vllm_client.ServeAdapters, made at the first push
@@ -226,95 +233,17 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
             for server in self.servers:  # its version is no longer known on any rank
                 server.expected_version = None
             raise
-        for server in self.servers:
-            server.expected_version = versions[server.url]
-        self.synced_step = int(versions[self.servers[0].url])
+        self.record_push(versions)
+        self.fleet.pushed = str(int(step))
         if kept is not None:
             kept.commit(self.synced_step)
 
-    @property
-    def merges_applied(self) -> int:
-        """How many of the policy's merges the servers' bases hold (``model.lora``): asked of them (``/weight_info``'s
-        ``lora``; 0 for a server that has had no adapter yet) until this engine has pushed, then counted here; every
-        server must hold the same number. The base hash sent with the merges checks it."""
-        if self.kind == "vllm":  # counted by the adapters' sequence, from 0: vLLM starts from its own checkpoint
-            return 0 if self.vllm_adapters is None else self.vllm_adapters.merges_applied
-        if self._merges_applied is None:
-            counts = {s.url: int((s.client.get("/weight_info").get("lora") or {}).get("merges_applied", 0))
-                      for s in self.servers}
-            if len(set(counts.values())) > 1:
-                raise ServerError(f"the rollout servers hold different numbers of merges {counts}: restart them "
-                                  "from the same base")
-            self._merges_applied = next(iter(counts.values()))
-        return self._merges_applied
-
-    @torch.no_grad()
-    def load_adapter(self, update: AdapterUpdate, step: int) -> None:
-        """A LoRA push (``model.lora``): the adapter, and the merges the servers' bases lack, to every server
-        (``lit_grpo.serve.served_adapter``: they sample with base plus adapter, unmerged, and check their base
-        against ``update.base_hash``). Only rank 0's update is sent; every rank holds the same one. With
-        ``data.reference_on_server`` the servers' pi_ref is their base with the adapter off, labelled with the merges
-        it holds, so no pi_ref is pushed. With ``keep_pushed_weights`` the trainer keeps the adapter pushed
-        (``KeptWeights.keep_adapter``)."""
-        if not isinstance(update, AdapterUpdate):
-            raise TypeError(f"load_adapter takes an AdapterUpdate, got {type(update).__name__}")
-        if self.kept_weights is not None:
-            self.kept_weights.invalidate()  # until this push is through
-        if self.kind == "vllm":
-            self._load_vllm_adapter(update, step)
-        else:
-            self._load_served_adapter(update, step)
-        if self.kept_weights is not None:  # the adapter only: the base is the policy's, at this many merges
-            self.kept_weights.keep_adapter(update.adapter, update.spec, self.merges_applied, self.synced_step)
-
-    def _load_served_adapter(self, update: AdapterUpdate, step: int) -> None:
-        """The project's server: the adapter and the merges its base lacks, over the weight transfer."""
-        if self.pusher.dtype != next(iter(update.adapter.values())).dtype:
-            raise ValueError(f"model.lora with the project's server needs it to hold the policy's dtype "
-                             f"({next(iter(update.adapter.values())).dtype}), not {self.pusher.dtype}: its base must "
-                             "follow the trainer's merges bitwise; restart it with that --dtype")
-        held = self.merges_applied
-        self._before_push()
-        self._pushing(step)
-        start = {"lora": {"spec": update.spec, "merges": len(update.merges), "base_hash": update.base_hash}}
-        tensors = [(f"merges.{i}.{name}", t) for i, merge in enumerate(update.merges) for name, t in merge.items()]
-        tensors += list(update.adapter.items())
-        try:
-            versions = self.pusher.push(iter(tensors), str(int(step)), "adapter", start)
-        except ServerError:
-            for server in self.servers:
-                server.expected_version = None
-            self._merges_applied = None  # ask the servers again at the next push
-            raise
+    def record_push(self, versions: dict[str, str]) -> None:
+        """The versions a push left on the servers it reached (``versions``, by URL; a server it did not reach is
+        down, ``Fleet``), and ``synced_step``: theirs."""
         for server in self.servers:
-            server.expected_version = versions[server.url]
-        self.synced_step = int(versions[self.servers[0].url])
-        self._merges_applied = held + len(update.merges)
-        if self.serves_reference:
-            self.reference_version = str(self._merges_applied)
-
-    def _load_vllm_adapter(self, update: AdapterUpdate, step: int) -> None:
-        """``kind: vllm``: the adapter as a new version loaded by path (``vllm_client.ServeAdapters``, the sequence
-        both vLLM kinds share, which counts the merges). vLLM's base cannot be hashed under the model's names, so it
-        gets the trainer's base instead (the full-weight push, ``base_named_tensors``) at the first push of a fit and
-        with every merge. A collective: every rank calls it."""
-        from lit_grpo.engines.remote.vllm_client import ServeAdapters
-        from lit_grpo.engines.vllm_lora import base_named_tensors
-
-        rank, _ = rank_and_world()
-        if self.vllm_adapters is None:
-            # None when built outside the data module, which sets K + 1: keep two, enough for K <= 1
-            keep = 2 if self.options.lora_keep is None else self.options.lora_keep
-            self.vllm_adapters = ServeAdapters(  # load_weights drains the producer first
-                self.options.lora_dir, keep, rank,
-                lambda at: self.load_weights(base_named_tensors(self.pusher.policy()), at))
-        if not self.vllm_adapters.sequence.needs_base(len(update.merges)):
-            self._before_push()  # a base reload drains the producer itself
-        self._pushing(step)
-        self.vllm_adapters.push(self.servers, update, step)  # raises on every rank together
-        for server in self.servers:
-            server.expected_version = str(int(step))
-        self.synced_step = int(step)
+            server.expected_version = versions.get(server.url)
+        self.synced_step = int(next(iter(versions.values())))
 
     @torch.no_grad()
     def load_reference(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
@@ -402,6 +331,7 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         client's requests (``prefix_cache.PrefixCacheMeter``; the project's server has no prefix cache)."""
         sent = self.sessions.take_sent()
         stats = spread_stats(sent) if len(self.servers) > 1 and self.router is None else {}
+        stats.update(self.fleet.stats())
         if self.prefix_cache is not None:
             stats.update(self.prefix_cache.take())
         return stats
@@ -455,12 +385,21 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         requests = self._requests(prompts, n, seed, sessions)
         results: list[list[Completion] | None] = [None] * len(prompts)
         with ThreadPoolExecutor(max_workers=min(32, len(requests))) as pool:
-            futures = [pool.submit(self._complete, r.server, [prompts[i] for i in r.indices], n, sampling, r.seed,
-                                   r.session) for r in requests]
+            futures = [pool.submit(self._complete_on_fleet, r, [prompts[i] for i in r.indices], n, sampling)
+                       for r in requests]
             for request, future in zip(requests, futures):
                 for i, group in zip(request.indices, future.result()):
                     results[i] = group
         return results  # type: ignore[return-value]
+
+    def _complete_on_fleet(self, request: Request, prompts: list[list[int]], n: int,
+                           sampling: SamplingConfig) -> list[list[Completion]]:
+        """``request`` on its server, or, when that one is lost, as it is (its prompts, its seed) on the next server
+        up (``Fleet.on_any``); through a router, the router's own retries decide."""
+        if isinstance(request.server, RouterConnection):
+            return self._complete(request.server, prompts, n, sampling, request.seed, request.session)
+        return self.fleet.on_any(request.server, lambda server: self._complete(
+            server, prompts, n, sampling, request.seed, request.session))
 
     def _complete(self, server: ServerConnection | RouterConnection, prompts: list[list[int]], n: int,
                   sampling: SamplingConfig, seed: int, session: str | None = None) -> list[list[Completion]]:
@@ -594,55 +533,6 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         update = AdapterUpdate(spec=json.loads(spec), merges=tuple(entries[self.merges_applied:]), adapter=state,
                                base_hash=base_hash(policy), step=int(step))
         self.load_adapter(update, step)
-
-
-class Request(NamedTuple):
-    """One completion request of a call: where it goes, which of the call's prompts, its seed, and the session id
-    a router keeps on one server (``X-Session-ID``)."""
-
-    server: ServerConnection | RouterConnection
-    indices: list[int]
-    seed: int
-    session: str | None = None
-
-
-def contiguous_runs(prompts: int, servers: int, kind: str, first: int = 0) -> list[int]:
-    """The chunk of each of ``prompts`` prompts spread over ``servers`` in contiguous runs: for the project's
-    server, chunk ``c`` holds prompts ``c * P // k`` up to ``(c + 1) * P // k`` (``k = min(servers, P)``); for vLLM,
-    prompt ``p`` is in chunk ``p * servers // P``. Chunk ``c`` goes to server ``(first + c) % servers``: each rank
-    starts at a server of its own (``first`` = its rank), so ranks with fewer prompts than servers do not all send
-    to the first one."""
-    if kind == "vllm":
-        chunks = [p * servers // prompts for p in range(prompts)]
-    else:
-        k = min(servers, prompts)
-        chunks = [c for c in range(k) for _ in range(c * prompts // k, (c + 1) * prompts // k)]
-    return [(first + c) % servers for c in chunks]
-
-
-def read_version_spans(spans: Any, length: int, where: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """A completion's ``weight_versions`` as ``Completion.versions`` and ``span_lengths``: the version of each span,
-    and how many tokens each covered when there are several (``()`` for one span, the common case). Spans must cover
-    the ``length`` tokens back to back from 0 when there are several (one span is taken to cover every token, as
-    before partial rollouts: a ``with_adapter_versions`` label has no bounds); a ``ServerError`` otherwise."""
-    if not spans:
-        return (), ()
-    if not isinstance(spans, list) or not all(isinstance(s, dict) for s in spans):
-        raise ServerError(f"{where} returned weight_versions {spans!r}; expected a list of {{version, start, end}}")
-    labels = tuple(version_text(s.get("version")) for s in spans)
-    if len(spans) == 1:
-        return labels, ()
-    bounds = [(s.get("start"), s.get("end")) for s in spans]
-    at = 0
-    for start, end in bounds:
-        if not isinstance(start, int) or not isinstance(end, int) or start != at or end < start:
-            raise ServerError(f"{where} returned weight_versions spans {bounds} that do not cover the completion's "
-                              f"{length} tokens back to back from 0")
-        at = end
-    if at != length:
-        raise ServerError(f"{where} returned weight_versions spans {bounds} that do not cover the completion's "
-                          f"{length} tokens back to back from 0")
-    return labels, tuple(end - start for start, end in bounds)
 
 
 def check_servers(options: ServerOptions) -> None:

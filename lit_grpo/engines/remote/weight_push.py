@@ -41,6 +41,7 @@ from torch import nn
 from lit_grpo.core.distributed import all_gather_objects, rank_and_world
 from lit_grpo.engines.options import ServerOptions
 from lit_grpo.engines.remote.connection import ServerConnection
+from lit_grpo.engines.remote.fleet import Fleet
 from lit_grpo.engines.remote.weight_gather import GatherBuffer, fsdp2_source, rank0_buckets
 from lit_grpo.wire.protocol import ServerError, version_text
 
@@ -71,8 +72,10 @@ class WeightPusher:
     """
 
     def __init__(self, servers: list[ServerConnection], options: ServerOptions, dtype: torch.dtype,
-                 policy: nn.Module | Callable[[], nn.Module] | None = None) -> None:
+                 policy: nn.Module | Callable[[], nn.Module] | None = None, fleet: Fleet | None = None) -> None:
         self.servers = servers
+        #: which servers are up: a push goes to those and to the down ones that answer again (``fleet``)
+        self.fleet = fleet if fleet is not None else Fleet(servers, options.timeout_s)
         self.options = options
         self.kind = options.kind
         self.timeout_s = float(options.timeout_s)
@@ -128,7 +131,10 @@ class WeightPusher:
         errors = [o["error"] for o in outcomes if o["error"]]
         if errors:
             raise ServerError(errors[0])
-        return outcomes[0]["versions"]
+        versions = outcomes[0]["versions"]
+        if self.kind == "lit_grpo":  # rank 0's outcome on every rank: the servers the push reached are the ones up
+            self.fleet.apply([s.url for s in self.servers if s.url not in versions])
+        return versions
 
     def _cast(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         target = self.dtype if tensor.is_floating_point() else tensor.dtype
@@ -155,9 +161,14 @@ class WeightPusher:
         failed: list[Exception] = []
         times = dict(begin_s=0.0, gather_s=0.0, send_s=0.0, finish_s=0.0, bytes=0, buckets=0)
         mark = time.perf_counter()
+        # the servers up, and those down that answer again (a restarted one gets the current weights now); a server
+        # whose connection is lost during the push is left out of the rest of it (``Fleet``)
         try:
-            for server in self.servers:
-                self._begin(server, target, start)
+            targets = self.fleet.push_targets()
+            for server in list(targets):
+                self._on_target(targets, server, lambda s: self._begin(s, target, start))
+            if not targets:  # every one answered the probe, then lost its connection
+                raise self.fleet.none_up()
         except Exception as err:  # noqa: BLE001 (reported on every rank after the gathers)
             failed.append(err)
         times["begin_s"] = time.perf_counter() - mark
@@ -172,7 +183,7 @@ class WeightPusher:
             if not failed:
                 try:
                     info, payload = self._payload(bucket, device)
-                    for server in self.servers:
+                    for server in targets:
                         self._send(server, info, payload)
                 except Exception as err:  # noqa: BLE001 (reported on every rank after the gathers)
                     failed.append(err)
@@ -183,8 +194,12 @@ class WeightPusher:
         versions = {}
         if not failed:
             try:
-                for server in self.servers:
-                    versions[server.url] = self._finish(server, version, target)
+                for server in list(targets):
+                    got = self._on_target(targets, server, lambda s: self._finish(s, version, target))
+                    if got is not None:
+                        versions[server.url] = got
+                if not versions:
+                    raise ServerError(f"every rollout server was lost during the push of {version!r}")
             except Exception as err:  # noqa: BLE001 (reported on every rank)
                 failed.append(err)
         times["finish_s"] = time.perf_counter() - mark
@@ -196,6 +211,19 @@ class WeightPusher:
                 target, f"push of pi_ref version {version}")
             return {"error": f"{what} failed: {failed[0]}"}
         return {"error": None, "versions": versions}
+
+    def _on_target(self, targets: list[ServerConnection], server: ServerConnection,
+                   step: Callable[[ServerConnection], Any]) -> Any:
+        """``step(server)`` of a push; a server whose connection is lost is dropped from ``targets`` (and its
+        group closed), the push going on without it; any other error is raised."""
+        try:
+            return step(server)
+        except ServerError as err:
+            if not err.lost:
+                raise
+            targets.remove(server)
+            self._abandon(server)
+            return None
 
     def _begin(self, server: ServerConnection, target: str = "policy", start: dict[str, Any] | None = None) -> None:
         info = server.client.get("/weight_info")

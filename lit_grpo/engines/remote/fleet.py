@@ -1,0 +1,176 @@
+"""Which rollout servers are up (``Fleet``): a dead server costs a retry, not the run.
+
+A request whose connection is refused, reset or closed without an answer (``ServerError.lost``) is tried again on
+the same server after a bounded backoff (:data:`RETRY_DELAYS_S`: a restart of the listener, a dropped connection);
+when those tries fail too the server is taken out of routing, a warning line names it, and the request goes, as it
+was (the same prompts, the same seed), to the next server that is up. Requests are laid out over every configured
+server whatever is up (``ServerEngine._requests``), and a request's seed belongs to its place in the layout, not to
+its server: a request re-sent to another server of the same weights samples the same tokens, so a run that loses a
+server trains exactly as one that never did. Any other error (a 4xx, a timeout, a wrong version) fails as before.
+
+A server that is down gets no pushes. At each push rank 0 asks every down server whether it answers again; one that
+does takes part in that push (a restarted server gets the current weights, and pi_ref where the servers hold it,
+before it gets any work) and is back in routing once the push has reached it. The push's outcome, which every rank
+learns from rank 0, sets the servers up and down alike on all ranks. When no server is up, a request waits for one
+that answers with the weights this trainer pushed (a server that was unreachable, not restarted) for at most the
+engine's ``timeout_s``, then the fit stops with one line naming every server.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
+from lit_grpo.engines.remote.connection import ServerConnection
+from lit_grpo.wire.protocol import ServerError, version_text
+
+#: seconds before each retry of a request whose connection was lost, on the same server (bounded: 3 tries, 3.5 s)
+RETRY_DELAYS_S = (0.5, 1.0, 2.0)
+#: seconds between two probes of the servers while none is up
+PROBE_EVERY_S = 1.0
+#: a probe's own timeout: a server that does not answer this fast is not back
+PROBE_TIMEOUT_S = 5.0
+
+T = TypeVar("T")
+
+
+class ServerDown(ServerError):
+    """A server stopped answering (its connection refused or lost on every retry)."""
+
+
+class NoServerUp(ServerError):
+    """Every server is down."""
+
+
+class Fleet:
+    """The servers of one engine and which of them are up (all, at first)."""
+
+    def __init__(self, servers: list[ServerConnection], timeout_s: float,
+                 delays_s: tuple[float, ...] = RETRY_DELAYS_S) -> None:
+        self.servers = servers
+        self.timeout_s = float(timeout_s)
+        self.delays_s = tuple(delays_s)
+        self.down: set[str] = set()
+        #: the version this trainer's last push wrote (``None`` before the first): what a server that was only
+        #: unreachable still holds
+        self.pushed: str | None = None
+        #: servers taken out of routing so far (a server that dies twice counts twice), and put back
+        self.losses = 0
+        self.rejoins = 0
+
+    # ---- state ----------------------------------------------------------------------------------------
+    def is_up(self, server: ServerConnection) -> bool:
+        return server.url not in self.down
+
+    @property
+    def up(self) -> list[ServerConnection]:
+        return [s for s in self.servers if self.is_up(s)]
+
+    def mark_down(self, server: ServerConnection, why: str) -> None:
+        """Take ``server`` out of routing and pushes, with one warning line naming it (once per loss)."""
+        if server.url in self.down:
+            return
+        self.down.add(server.url)
+        self.losses += 1
+        server.expected_version = None  # whatever it holds when it returns, it is not what this trainer pushed
+        left = len(self.servers) - len(self.down)
+        where = (f"its requests go to the {left} other server{'s' if left != 1 else ''} up" if left else
+                 f"no other server is up: requests wait up to {self.timeout_s:g} s for one")
+        warnings.warn(f"rollout server {server.url} is down ({why}): taken out of routing, {where}; it rejoins at "
+                      f"the next weight push once it answers (rollout/servers_up)", stacklevel=2)
+
+    def mark_up(self, server: ServerConnection) -> None:
+        if server.url in self.down:
+            self.down.discard(server.url)
+            self.rejoins += 1
+
+    def apply(self, down: list[str]) -> None:
+        """Set the servers ``down`` (URLs) down and every other one up: a push's outcome, the same on every rank."""
+        for server in self.servers:
+            if server.url in down:
+                self.mark_down(server, "it did not take the weight push")
+            else:
+                self.mark_up(server)
+
+    def stats(self) -> dict[str, float]:
+        """Logged under ``rollout/``: ``servers_up``."""
+        return {"servers_up": float(len(self.servers) - len(self.down))}
+
+    # ---- calls ----------------------------------------------------------------------------------------
+    def call(self, server: ServerConnection, call: Callable[[ServerConnection], T]) -> T:
+        """``call(server)``, tried again after each of :data:`RETRY_DELAYS_S` while its connection is lost; then
+        ``server`` is down (``ServerDown``). Any other error is raised as it is."""
+        for delay in (*self.delays_s, None):
+            try:
+                return call(server)
+            except ServerError as err:
+                if not err.lost:
+                    raise
+                if delay is None:
+                    self.mark_down(server, str(err).split(": ", 1)[-1])
+                    raise ServerDown(str(err), lost=True) from None
+                time.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def on_any(self, first: ServerConnection, call: Callable[[ServerConnection], T]) -> T:
+        """``call`` on ``first``, or while servers are lost on the next ones that are up, in the configured order
+        from ``first``; with none up, on the first that answers with the weights this trainer pushed, within
+        ``timeout_s`` (``NoServerUp`` after it)."""
+        start = self.servers.index(first)
+        while True:
+            order = self.servers[start:] + self.servers[:start]
+            candidates = [s for s in order if self.is_up(s)]
+            if not candidates:
+                self._wait_for_one()
+                continue
+            try:
+                return self.call(candidates[0], call)
+            except ServerDown:
+                continue
+
+    def _wait_for_one(self) -> None:
+        """Wait for a down server that answers with the version this trainer last pushed to every server (one that
+        was only unreachable); a restarted one waits for the next push. ``NoServerUp`` after ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            for server in self.servers:
+                version = self.probe(server)
+                if version is not None and version == self.pushed:
+                    server.expected_version = version
+                    self.mark_up(server)
+                    return
+            time.sleep(PROBE_EVERY_S)
+        raise self.none_up("with this trainer's weights")
+
+    def none_up(self, answered: str = "") -> NoServerUp:
+        """The one line of a fit that has no server left, naming every one."""
+        return NoServerUp(f"every rollout server is down ({', '.join(s.url for s in self.servers)}), none answered "
+                          f"{answered + ' ' if answered else ''}within {self.timeout_s:g} s "
+                          f"(engine_options.timeout_s); expected at least one up: restart them and resume from the "
+                          f"last checkpoint (--ckpt_path last)")
+
+    def probe(self, server: ServerConnection) -> str | None:
+        """The weight version ``server`` reports now, or ``None`` when it does not answer."""
+        try:
+            info = server.client.get("/weight_info", timeout_s=min(PROBE_TIMEOUT_S, self.timeout_s))
+        except ServerError:
+            return None
+        return version_text(info.get("weight_version")) or ""
+
+    def push_targets(self) -> list[ServerConnection]:
+        """The servers a push goes to: those up, and those down that answer now (rank 0 asks them); with none, the
+        first ones to answer within ``timeout_s`` (``NoServerUp`` after it)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            targets = [s for s in self.servers if self.is_up(s) or self.probe(s) is not None]
+            if targets or time.monotonic() >= deadline:
+                break
+            time.sleep(PROBE_EVERY_S)
+        if not targets:
+            raise self.none_up()
+        return targets
+
+
+__all__ = ["Fleet", "NoServerUp", "ServerDown"]

@@ -1,0 +1,136 @@
+"""The fleet survives (``lit_grpo.engines.remote.fleet``): over two project servers on a plain URL list, one killed
+with SIGKILL mid-run and restarted at its URL costs retries, not the run. Its requests go, as they were, to the other
+server; it rejoins at the next push, with the current weights, before it gets work; and the fit trains exactly like
+the clean run (the same per-step losses), because a request's seed belongs to its place in the layout, not to its
+server. With every server down the fit stops within its timeout, in one line naming them. Real processes: two
+trainer ranks (FSDP2 on gloo) and the servers, on the loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from distributed_launch import assert_same_steps, free_port, launch, launch_to_the_end
+from server_process import ServerProcess
+
+from lit_grpo.engines.remote.fleet import Fleet, NoServerUp, ServerDown
+from lit_grpo.wire.protocol import ServerError
+
+JOB = dict(strategy="fsdp2", v=1, max_steps=14, module=dict(beta=0.1, lr=1e-2), data=dict(prompts_per_step=2))
+
+
+def fleet_options(servers: list[ServerProcess]) -> dict:
+    return dict(urls=[s.url for s in servers], token=servers[0].token, timeout_s=30, bucket_mb=0.05)
+
+
+def restart_when_dead(server: ServerProcess, delay_s: float, out: dict) -> threading.Thread:
+    """A thread that waits for ``server`` to die, then starts a new server process at its port after ``delay_s``."""
+    def run() -> None:
+        while server.proc.poll() is None:
+            time.sleep(0.05)
+        out["killed_at"] = time.monotonic()
+        time.sleep(delay_s)
+        port = int(server.url.rsplit(":", 1)[1])
+        again = ServerProcess(server.workdir.parent / "restarted", port=port, token=server.token)
+        again.wait_ready()
+        out["server"], out["back_at"] = again, time.monotonic()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow  # real server and trainer processes
+def test_a_killed_and_restarted_server_costs_retries_and_the_fit_trains_as_the_clean_run(tmp_path):
+    token = "f" * 32
+    servers = [ServerProcess(tmp_path / f"server{i}", port=free_port(), token=token) for i in range(2)]
+    restarted: dict = {}
+    try:
+        for server in servers:
+            server.wait_ready()
+        clean = launch([dict(JOB, server=fleet_options(servers))], world=2, workdir=tmp_path / "clean",
+                       timeout_s=600)
+        watcher = restart_when_dead(servers[1], 0.5, restarted)
+        survived = launch([dict(JOB, server=fleet_options(servers),
+                                kill_server=dict(pid=servers[1].proc.pid, after_batch=2))],
+                          world=2, workdir=tmp_path / "killed", timeout_s=600)
+        watcher.join(120)
+    finally:
+        for server in [*servers, restarted.get("server")]:
+            if server is not None:
+                server.kill()
+    for rank in range(2):
+        steps = survived[rank][0]["steps"]
+        assert len(steps) == JOB["max_steps"]
+
+        def trained(steps: list[dict]) -> list[dict]:  # what the fit computed, not how many servers served it
+            return [{k: v for k, v in s.items() if k != "rollout/servers_up"} for s in steps]
+
+        assert_same_steps(trained(clean[rank][0]["steps"]), trained(steps))
+        # one server up after the kill, both again once the restarted one took a push
+        up = [s["rollout/servers_up"] for s in steps]
+        assert up[0] == 2.0 and 1.0 in up and up[-1] == 2.0, up
+
+
+@pytest.mark.slow
+def test_every_server_down_stops_the_fit_within_its_timeout_in_one_line(tmp_path):
+    server = ServerProcess(tmp_path / "server", port=free_port())
+    try:
+        server.wait_ready()
+        job = dict(JOB, max_steps=4, server=dict(fleet_options([server]), timeout_s=10),
+                   kill_server=dict(pid=server.proc.pid, after_batch=1))
+        codes, logs, elapsed = launch_to_the_end([job], world=2, workdir=tmp_path / "run", timeout_s=240)
+    finally:
+        server.kill()
+    assert None not in codes and all(code != 0 for code in codes), codes
+    for log in logs:
+        assert f"every rollout server is down ({server.url})" in log, log[-3000:]
+    assert elapsed < 120
+
+
+class Stub:
+    """A connection whose calls fail as scripted: ``lost`` connections, then answers."""
+
+    def __init__(self, url: str, failures: int = 0) -> None:
+        self.url, self.failures, self.calls, self.expected_version = url, failures, 0, None
+
+    def answer(self) -> str:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise ServerError(f"rollout server {self.url}: POST /v1/completions failed: refused", lost=True)
+        return self.url
+
+
+def test_a_lost_connection_is_retried_then_the_request_goes_to_the_next_server_up():
+    a, b = Stub("http://a", failures=2), Stub("http://b")
+    fleet = Fleet([a, b], timeout_s=1.0, delays_s=(0.0, 0.0))
+    # two lost connections, then an answer: retried on the same server, which stays up
+    assert fleet.on_any(a, lambda s: s.answer()) == "http://a" and fleet.stats()["servers_up"] == 2.0
+    dead = Stub("http://dead", failures=10**6)
+    fleet = Fleet([dead, b], timeout_s=1.0, delays_s=(0.0, 0.0))
+    with pytest.warns(UserWarning, match=r"rollout server http://dead is down .*taken out of routing"):
+        assert fleet.on_any(dead, lambda s: s.answer()) == "http://b"
+    assert dead.calls == 3 and fleet.stats()["servers_up"] == 1.0
+    assert fleet.on_any(dead, lambda s: s.answer()) == "http://b" and dead.calls == 3  # no longer tried
+    with pytest.raises(ServerDown):
+        fleet.call(dead, lambda s: s.answer())
+
+
+def test_other_errors_fail_as_before():
+    def refuse(server):  # noqa: ANN001, ANN202
+        raise ServerError(f"rollout server {server.url}: POST /v1/completions returned 400: bad", status=400)
+
+    fleet = Fleet([Stub("http://a"), Stub("http://b")], timeout_s=1.0, delays_s=(0.0,))
+    with pytest.raises(ServerError, match="returned 400"):
+        fleet.on_any(fleet.servers[0], refuse)
+    assert fleet.stats()["servers_up"] == 2.0
+
+
+def test_with_none_up_a_request_waits_its_timeout_then_one_line_names_every_server(monkeypatch):
+    a, b = Stub("http://a", failures=10**6), Stub("http://b", failures=10**6)
+    fleet = Fleet([a, b], timeout_s=0.3, delays_s=(0.0,))
+    monkeypatch.setattr(fleet, "probe", lambda server: None)
+    with pytest.warns(UserWarning), pytest.raises(NoServerUp, match=r"^every rollout server is down \(http://a, "
+                                                                      r"http://b\), none answered"):
+        fleet.on_any(a, lambda s: s.answer())
