@@ -102,7 +102,8 @@ class Stub:
         return self.url
 
 
-def test_a_lost_connection_is_retried_then_the_request_goes_to_the_next_server_up():
+def test_a_lost_connection_is_retried_then_the_request_goes_to_the_next_server_up(monkeypatch):
+    monkeypatch.setattr(Fleet, "probe", lambda self, server: None)  # between tries, no server answers a probe
     a, b = Stub("http://a", failures=2), Stub("http://b")
     fleet = Fleet([a, b], timeout_s=1.0, delays_s=(0.0, 0.0))
     # two lost connections, then an answer: retried on the same server, which stays up
@@ -134,3 +135,13 @@ def test_with_none_up_a_request_waits_its_timeout_then_one_line_names_every_serv
     with pytest.warns(UserWarning), pytest.raises(NoServerUp, match=r"^every rollout server is down \(http://a, "
                                                                       r"http://b\), none answered"):
         fleet.on_any(a, lambda s: s.answer())
+
+
+def test_a_server_that_comes_back_with_other_weights_is_down_until_a_push_reaches_it(monkeypatch):
+    restarted, other = Stub("http://restarted", failures=1), Stub("http://other")
+    restarted.expected_version = "7"
+    fleet = Fleet([restarted, other], timeout_s=1.0, delays_s=(0.0, 0.0))
+    monkeypatch.setattr(fleet, "probe", lambda server: "0" if server is restarted else "7")
+    with pytest.warns(UserWarning, match=r"it restarted: it holds weight version '0', not the pushed '7'"):
+        assert fleet.on_any(restarted, lambda s: s.answer()) == "http://other"
+    assert restarted.calls == 1  # not asked again for work: a fresh server would answer with its own weights

@@ -1,8 +1,9 @@
 """Which rollout servers are up (``Fleet``): a dead server costs a retry, not the run.
 
 A request whose connection is refused, reset or closed without an answer (``ServerError.lost``) is tried again on
-the same server after a bounded backoff (:data:`RETRY_DELAYS_S`: a restart of the listener, a dropped connection);
-when those tries fail too the server is taken out of routing, a warning line names it, and the request goes, as it
+the same server after a bounded backoff (:data:`RETRY_DELAYS_S`: a dropped connection, a listener that comes back);
+when those tries fail too, or the server answers with weights other than those pushed to it (it restarted), it is
+taken out of routing, a warning line names it, and the request goes, as it
 was (the same prompts, the same seed), to the next server that is up. Requests are laid out over every configured
 server whatever is up (``ServerEngine._requests``), and a request's seed belongs to its place in the layout, not to
 its server: a request re-sent to another server of the same weights samples the same tokens, so a run that loses a
@@ -112,7 +113,17 @@ class Fleet:
                     self.mark_down(server, str(err).split(": ", 1)[-1])
                     raise ServerDown(str(err), lost=True) from None
                 time.sleep(delay)
+                self._restarted(server)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _restarted(self, server: ServerConnection) -> None:
+        """A server that answers again after a lost connection, with weights other than those this trainer pushed
+        to it, was restarted: it is down until a push reaches it (``ServerDown``), not retried."""
+        expected = server.expected_version
+        version = self.probe(server)
+        if version is not None and expected is not None and version != expected:
+            self.mark_down(server, f"it restarted: it holds weight version {version!r}, not the pushed {expected!r}")
+            raise ServerDown(f"rollout server {server.url} restarted", lost=True)
 
     def on_any(self, first: ServerConnection, call: Callable[[ServerConnection], T]) -> T:
         """``call`` on ``first``, or while servers are lost on the next ones that are up, in the configured order
