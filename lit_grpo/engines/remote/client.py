@@ -115,6 +115,8 @@ class ServerEngine(AdapterPushing, RemoteEngine, ReferenceServing, AdapterEngine
             self.router.client.text("GET", "/health")
         #: without a router: which server each multi-turn session's turns go to (sticky, least-loaded)
         self.sessions = SessionRouter(len(self.servers), first=rank_and_world()[0])
+        #: each open session's ``cache_salt`` (kind vllm): its trajectory's turns share the first turn's
+        self._session_salts: dict[Hashable, str] = {}
         #: a router's session ids: unique across the ranks and runs that share it
         self.session_prefix = f"{secrets.token_hex(4)}-r{rank_and_world()[0]}"
         #: vllm serve's prefix-cache counters (``GET /metrics`` of each server), read once a batch; the first read,
@@ -309,6 +311,9 @@ class ServerEngine(AdapterPushing, RemoteEngine, ReferenceServing, AdapterEngine
     def release_sessions(self, sessions: Iterable[Hashable]) -> None:
         """The sessions' trajectories ended: their servers take new sessions in their place (``SessionRouter``, or
         the router's ``POST /finish_session``; a router that misses one expires it after its TTL)."""
+        sessions = list(sessions)
+        for session in sessions:
+            self._session_salts.pop(session, None)
         if self.router is None:
             self.sessions.release(sessions)
             return
@@ -383,26 +388,41 @@ class ServerEngine(AdapterPushing, RemoteEngine, ReferenceServing, AdapterEngine
         if not prompts:
             return []
         requests = self._requests(prompts, n, seed, sessions)
+        salts = self._cache_salts(len(prompts), sessions)
         results: list[list[Completion] | None] = [None] * len(prompts)
         with ThreadPoolExecutor(max_workers=min(32, len(requests))) as pool:
-            futures = [pool.submit(self._complete_on_fleet, r, [prompts[i] for i in r.indices], n, sampling)
-                       for r in requests]
+            futures = [pool.submit(self._complete_on_fleet, r, [prompts[i] for i in r.indices], n, sampling,
+                                   salts[r.indices[0]] if salts is not None else None) for r in requests]
             for request, future in zip(requests, futures):
                 for i, group in zip(request.indices, future.result()):
                     results[i] = group
         return results  # type: ignore[return-value]
 
-    def _complete_on_fleet(self, request: Request, prompts: list[list[int]], n: int,
-                           sampling: SamplingConfig) -> list[list[Completion]]:
+    def _cache_salts(self, count: int, sessions: Sequence[Hashable] | None) -> list[str] | None:
+        """Each prompt's ``cache_salt`` for ``vllm serve``: the weight version it is admitted under, the same for
+        every turn of a trajectory (its session's first). vLLM's prefix cache then never serves a block computed
+        under other weights: a ``keep`` pause ignores ``clear_cache`` (vLLM 0.32), so without the salt a prompt
+        cached before a push would be scored with the old weights' KV after it. ``None`` for the project's server,
+        which keeps no prefix cache."""
+        if self.kind != "vllm":
+            return None
+        now = f"lit-grpo-weights-{self.synced_step}"
+        if sessions is None:
+            return [now] * count
+        return [self._session_salts.setdefault(key, now) for key in sessions]
+
+    def _complete_on_fleet(self, request: Request, prompts: list[list[int]], n: int, sampling: SamplingConfig,
+                           salt: str | None = None) -> list[list[Completion]]:
         """``request`` on its server, or, when that one is lost, as it is (its prompts, its seed) on the next server
         up (``Fleet.on_any``); through a router, the router's own retries decide."""
         if isinstance(request.server, RouterConnection):
-            return self._complete(request.server, prompts, n, sampling, request.seed, request.session)
+            return self._complete(request.server, prompts, n, sampling, request.seed, request.session, salt)
         return self.fleet.on_any(request.server, lambda server: self._complete(
-            server, prompts, n, sampling, request.seed, request.session))
+            server, prompts, n, sampling, request.seed, request.session, salt))
 
     def _complete(self, server: ServerConnection | RouterConnection, prompts: list[list[int]], n: int,
-                  sampling: SamplingConfig, seed: int, session: str | None = None) -> list[list[Completion]]:
+                  sampling: SamplingConfig, seed: int, session: str | None = None,
+                  salt: str | None = None) -> list[list[Completion]]:
         # every sampling field is explicit: vllm serve fills the ones a request leaves unset from the model's
         # generation config (lit_grpo.engines.sampling_fields); the project's server ignores the extra ones
         body = {"prompt": [[int(t) for t in p] for p in prompts], "n": n, "seed": int(seed),
@@ -410,6 +430,8 @@ class ServerEngine(AdapterPushing, RemoteEngine, ReferenceServing, AdapterEngine
                 "return_weight_versions": True}
         if self.stop_token_ids:
             body["stop_token_ids"] = self.stop_token_ids
+        if salt is not None:  # vllm serve: its prefix cache keyed by the weights too (``_cache_salts``)
+            body["cache_salt"] = salt
         adapter = self.vllm_adapters.current() if self.vllm_adapters is not None else None
         if adapter is not None:  # kind vllm with model.lora: the request names the newest adapter version
             body["model"] = adapter[0]
