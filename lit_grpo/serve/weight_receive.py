@@ -307,7 +307,13 @@ class WeightReceiver:
                 self._pool = {key: buffers for key, buffers in self._pool.items() if key in used}
                 if version is not None:
                     self.policy.weight_version = str(version)
-        return {"message": "Weight update finished", "weight_version": self.policy.weight_version}
+                # what the served model holds now, in the order the names came: the trainer checks it against
+                # what it sent (imported here: the module is read before torch is)
+                from lit_grpo.wire.push_digest import PushDigest
+
+                digest = PushDigest().add_all((name, params[name].data) for name in staged).value
+        return {"message": "Weight update finished", "weight_version": self.policy.weight_version,
+                "digest": str(digest)}
 
     def update_weight_version(self, body: dict, query: dict) -> dict:
         version = body.get("new_version")

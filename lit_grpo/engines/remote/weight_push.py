@@ -44,6 +44,7 @@ from lit_grpo.engines.remote.connection import ServerConnection
 from lit_grpo.engines.remote.fleet import Fleet
 from lit_grpo.engines.remote.weight_gather import GatherBuffer, fsdp2_source, rank0_buckets
 from lit_grpo.wire.protocol import ServerError, version_text
+from lit_grpo.wire.push_digest import PushDigest
 
 #: seconds the main thread waits for a bucket's broadcast beyond ``timeout_s``, so that the transfer group's own
 #: timeout (the same ``timeout_s``) is what reports a stuck transfer
@@ -177,11 +178,14 @@ class WeightPusher:
             return tensor if failed else self._cast(tensor, device)
 
         mark = time.perf_counter()
+        digest = PushDigest()  # of what is sent, in its order: each server's digest after the swap must equal it
         for bucket in self._buckets(named_tensors, module, convert):  # the gathers run here
             gathered = time.perf_counter()
             times["gather_s"] += gathered - mark
             if not failed:
                 try:
+                    for name, tensor in bucket:
+                        digest.add(name, tensor)
                     info, payload = self._payload(bucket, device)
                     for server in targets:
                         self._send(server, info, payload)
@@ -195,7 +199,7 @@ class WeightPusher:
         if not failed:
             try:
                 for server in list(targets):
-                    got = self._on_target(targets, server, lambda s: self._finish(s, version, target))
+                    got = self._on_target(targets, server, lambda s: self._finish(s, version, target, digest.value))
                     if got is not None:
                         versions[server.url] = got
                 if not versions:
@@ -314,8 +318,14 @@ class WeightPusher:
         if "error" in sent or not sent.get("done"):
             raise transfer_error(server.url, len(names), sent.get("error"), self.timeout_s)
 
-    def _finish(self, server: ServerConnection, version: str, target: str = "policy") -> str:
-        server.client.post("/finish_weight_update", {"weight_version": version})
+    def _finish(self, server: ServerConnection, version: str, target: str = "policy", digest: int | None = None) -> str:
+        finished = server.client.post("/finish_weight_update", {"weight_version": version})
+        held = finished.get("digest")
+        if target == "policy" and digest is not None and held is not None and str(held) != str(digest):
+            server.client.post("/resume")
+            raise ServerError(f"rollout server {server.url}: the weight push of {version!r} did not take effect: the "
+                              f"served weights' digest {held} is not the pushed {digest}; expected the server to hold "
+                              f"what was sent (a server of another model or a broken load path)")
         key = "reference_version" if target == "reference" else "weight_version"
         got = version_text(server.client.get("/weight_info").get(key))
         if target != "reference":
