@@ -198,8 +198,8 @@ def run_job(job: dict, workdir: str) -> dict:
         callbacks.insert(0, swap) if job.get("swap_first") else callbacks.append(swap)
     compare = EngineVsPolicy() if job.get("compare_engine") else None
     callbacks += [c for c in (compare,) if c is not None]
-    if job.get("kill_server"):
-        callbacks.append(KillServer(**job["kill_server"]))
+    for kill in ([job["kill_server"]] if job.get("kill_server") else []) + list(job.get("kill_servers", [])):
+        callbacks.append(KillServer(**kill))
     if job.get("ckpt_at"):
         callbacks.append(SaveAt(**job["ckpt_at"]))
     evaluator = None

@@ -74,6 +74,47 @@ def test_a_killed_and_restarted_server_costs_retries_and_the_fit_trains_as_the_c
 
 
 @pytest.mark.slow
+def test_chaos_servers_killed_and_restarted_at_seeded_points_leave_the_fit_as_the_clean_run(tmp_path):
+    """Three servers; two of them, drawn with a seed, killed with SIGKILL after steps drawn with it, each restarted
+    at its URL after a drawn delay (bounded: two kills in the fit, at most two servers down at once, never all)."""
+    import random
+
+    rng = random.Random(20261202)
+    token = "c" * 32
+    servers = [ServerProcess(tmp_path / f"server{i}", port=free_port(), token=token) for i in range(3)]
+    victims = rng.sample(range(3), 2)
+    steps = sorted(rng.sample(range(2, JOB["max_steps"] - 4), 2))
+    restarted: list[dict] = [{} for _ in victims]
+    try:
+        for server in servers:
+            server.wait_ready()
+        start = time.monotonic()
+        clean = launch([dict(JOB, server=fleet_options(servers))], world=2, workdir=tmp_path / "clean",
+                       timeout_s=600)
+        clean_seconds = time.monotonic() - start
+        watchers = [restart_when_dead(servers[v], rng.uniform(0.2, 1.5), out) for v, out in zip(victims, restarted)]
+        kills = [dict(pid=servers[v].proc.pid, after_batch=step) for v, step in zip(victims, steps)]
+        start = time.monotonic()
+        chaos = launch([dict(JOB, server=fleet_options(servers), kill_servers=kills)], world=2,
+                       workdir=tmp_path / "chaos", timeout_s=600)
+        seconds = time.monotonic() - start
+        for watcher in watchers:
+            watcher.join(120)
+    finally:
+        for server in [*servers, *(out.get("server") for out in restarted)]:
+            if server is not None:
+                server.kill()
+    print(f"chaos: servers {victims} killed after steps {steps}, the fit took {seconds:.1f} s "
+          f"(the clean one {clean_seconds:.1f} s)")
+    for rank in range(2):
+        up = [s.pop("rollout/servers_up") for s in chaos[rank][0]["steps"]]
+        for s in clean[rank][0]["steps"]:
+            s.pop("rollout/servers_up")
+        assert_same_steps(clean[rank][0]["steps"], chaos[rank][0]["steps"])
+        assert min(up) < 3.0 and up[0] == 3.0, up
+
+
+@pytest.mark.slow
 def test_every_server_down_stops_the_fit_within_its_timeout_in_one_line(tmp_path):
     server = ServerProcess(tmp_path / "server", port=free_port())
     try:
