@@ -170,6 +170,20 @@ class KillServer(MetricsRecorder):
             self.pid = None
 
 
+class WaitForServers(MetricsRecorder):
+    """Every rank waits, at the end of the batch after which ``global_step`` is ``at_step``, until each of ``urls``
+    answers ``/health``: a server restarted mid-run is back before the next push, whatever the machine's speed."""
+
+    def __init__(self, urls: list[str], at_step: int) -> None:
+        super().__init__()
+        self.urls, self.at_step = list(urls), at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == self.at_step:
+            for url in self.urls:
+                wait_until_serving(url)
+
+
 def wait_until_serving(url: str, timeout_s: float = 240.0) -> None:
     """The server may still be loading its model when the ranks start: poll its /health."""
     import time
@@ -200,6 +214,8 @@ def run_job(job: dict, workdir: str) -> dict:
     callbacks += [c for c in (compare,) if c is not None]
     for kill in ([job["kill_server"]] if job.get("kill_server") else []) + list(job.get("kill_servers", [])):
         callbacks.append(KillServer(**kill))
+    if job.get("wait_for_servers"):
+        callbacks.append(WaitForServers(**job["wait_for_servers"]))
     if job.get("ckpt_at"):
         callbacks.append(SaveAt(**job["ckpt_at"]))
     evaluator = None

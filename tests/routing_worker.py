@@ -29,9 +29,9 @@ def recording(log: Path) -> None:
         with open(log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def _complete(self, server, prompts, n, sampling, seed, session=None):  # noqa: ANN001, ANN202
-        write({"url": server.url, "prompts": prompts, "n": n, "session": session})
-        return send(self, server, prompts, n, sampling, seed, session)
+    def _complete(self, server, prompts, n, sampling, seed, session=None, salt=None):  # noqa: ANN001, ANN202
+        write({"url": server.url, "prompts": prompts, "n": n, "session": session, "salt": salt})
+        return send(self, server, prompts, n, sampling, seed, session, salt)
 
     def release_sessions(self, sessions):  # noqa: ANN001, ANN202
         sessions = list(sessions)

@@ -52,8 +52,10 @@ def test_a_killed_and_restarted_server_costs_retries_and_the_fit_trains_as_the_c
         clean = launch([dict(JOB, server=fleet_options(servers))], world=2, workdir=tmp_path / "clean",
                        timeout_s=600)
         watcher = restart_when_dead(servers[1], 0.5, restarted)
+        # killed after step 2, back (waited for) after step 8: the push of step 9 brings it in
         survived = launch([dict(JOB, server=fleet_options(servers),
-                                kill_server=dict(pid=servers[1].proc.pid, after_batch=2))],
+                                kill_server=dict(pid=servers[1].proc.pid, after_batch=2),
+                                wait_for_servers=dict(urls=[servers[1].url], at_step=8))],
                           world=2, workdir=tmp_path / "killed", timeout_s=600)
         watcher.join(120)
     finally:
@@ -95,8 +97,9 @@ def test_chaos_servers_killed_and_restarted_at_seeded_points_leave_the_fit_as_th
         watchers = [restart_when_dead(servers[v], rng.uniform(0.2, 1.5), out) for v, out in zip(victims, restarted)]
         kills = [dict(pid=servers[v].proc.pid, after_batch=step) for v, step in zip(victims, steps)]
         start = time.monotonic()
-        chaos = launch([dict(JOB, server=fleet_options(servers), kill_servers=kills)], world=2,
-                       workdir=tmp_path / "chaos", timeout_s=600)
+        chaos = launch([dict(JOB, server=fleet_options(servers), kill_servers=kills,
+                             wait_for_servers=dict(urls=[s.url for s in servers], at_step=JOB["max_steps"] - 2))],
+                       world=2, workdir=tmp_path / "chaos", timeout_s=600)
         seconds = time.monotonic() - start
         for watcher in watchers:
             watcher.join(120)
@@ -111,7 +114,7 @@ def test_chaos_servers_killed_and_restarted_at_seeded_points_leave_the_fit_as_th
         for s in clean[rank][0]["steps"]:
             s.pop("rollout/servers_up")
         assert_same_steps(clean[rank][0]["steps"], chaos[rank][0]["steps"])
-        assert min(up) < 3.0 and up[0] == 3.0, up
+        assert min(up) < 3.0 and up[0] == 3.0 and up[-1] == 3.0, up
 
 
 @pytest.mark.slow
