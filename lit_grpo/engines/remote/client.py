@@ -50,7 +50,7 @@ from lit_grpo.engines.base import (
     ScoringLayout,
 )
 from lit_grpo.engines.options import ServerOptions
-from lit_grpo.engines.remote.adapter_push import AdapterPushing
+from lit_grpo.engines.remote.adapter_push import merges_held, push_served_adapter, push_vllm_adapter
 from lit_grpo.engines.remote.connection import RouterConnection, ServerConnection
 from lit_grpo.engines.remote.fleet import Fleet
 from lit_grpo.engines.remote.kept_weights import LORA_SPEC_KEY, MERGES_KEY, KeptWeights
@@ -70,7 +70,7 @@ from lit_grpo.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV, find_token
 from lit_grpo.wire.protocol import ServerError, version_text
 
 
-class ServerEngine(AdapterPushing, RemoteEngine, ReferenceServing, AdapterEngine):
+class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
     """Rollouts from rollout servers (``data.engine: server``, ``data.engine_options: {url: ..., ...}``).
 
     Args:
@@ -239,6 +239,31 @@ class ServerEngine(AdapterPushing, RemoteEngine, ReferenceServing, AdapterEngine
         self.fleet.pushed = str(int(step))
         if kept is not None:
             kept.commit(self.synced_step)
+
+    @property
+    def merges_applied(self) -> int:
+        """How many of the policy's merges the servers' bases hold (``model.lora``;
+        ``lit_grpo.engines.remote.adapter_push.merges_held``)."""
+        return merges_held(self)
+
+    @torch.no_grad()
+    def load_adapter(self, update: AdapterUpdate, step: int) -> None:
+        """A LoRA push (``model.lora``): the adapter, and the merges the servers' bases lack, to every server
+        (``lit_grpo.serve.served_adapter``: they sample with base plus adapter, unmerged, and check their base
+        against ``update.base_hash``). Only rank 0's update is sent; every rank holds the same one. With
+        ``data.reference_on_server`` the servers' pi_ref is their base with the adapter off, labelled with the merges
+        it holds, so no pi_ref is pushed. With ``keep_pushed_weights`` the trainer keeps the adapter pushed
+        (``KeptWeights.keep_adapter``)."""
+        if not isinstance(update, AdapterUpdate):
+            raise TypeError(f"load_adapter takes an AdapterUpdate, got {type(update).__name__}")
+        if self.kept_weights is not None:
+            self.kept_weights.invalidate()  # until this push is through
+        if self.kind == "vllm":
+            push_vllm_adapter(self, update, step)
+        else:
+            push_served_adapter(self, update, step)
+        if self.kept_weights is not None:  # the adapter only: the base is the policy's, at this many merges
+            self.kept_weights.keep_adapter(update.adapter, update.spec, self.merges_applied, self.synced_step)
 
     def record_push(self, versions: dict[str, str]) -> None:
         """The versions a push left on the servers it reached (``versions``, by URL; a server it did not reach is
