@@ -1,7 +1,7 @@
-"""Every push verified (``lit_grpo.wire.push_digest``): the digest is exact and sees a changed value, a swap of two
-elements, a name or a dtype; a real server's digest after the swap equals the trainer's (every push of the server
-tests passes through the check); and a push whose served weights differ from what was sent stops in one line naming
-the server, the server left generating on its previous weights."""
+"""Every push verified (``lit_grpo.wire.push_digest``): the digest is exact, sees a changed value and a swap of two
+elements of a small tensor, a large tensor that moved, a name or a dtype; a real server's digest after the swap
+equals the trainer's (every push of the server tests passes through the check); and a push whose served weights
+differ from what was sent stops in one line naming the server, the server left generating on its previous weights."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from distributed_launch import free_port
 from server_process import ServerProcess
 
 from lit_grpo.wire.protocol import ServerError
-from lit_grpo.wire.push_digest import PushDigest, tensor_digest
+from lit_grpo.wire.push_digest import STRIDE, PushDigest, tensor_digest
 
 
 def test_the_digest_sees_every_byte_and_its_place():
@@ -30,11 +30,16 @@ def test_the_digest_sees_every_byte_and_its_place():
     assert PushDigest().add_all(named).value != PushDigest().add_all([("c", t), ("b", t[:10])]).value
 
 
-def test_the_digest_is_of_the_bytes_by_hand_and_over_several_chunks():
+def test_the_digest_by_hand_whole_and_sampled():
     big = torch.randint(-(2**15), 2**15, (3 * 2**20 + 5,), dtype=torch.int16)
     expected = sum(int(v) * ((i % 65521) + 1) for i, v in enumerate(big[:1000].tolist()))
-    assert tensor_digest(big[:1000]) == expected % (2**61 - 1)  # the definition, by hand
+    assert tensor_digest(big[:1000]) == expected % (2**61 - 1)  # a small tensor, read whole, by hand
+    sampled = sum(int(big[i]) * ((i % 65521) + 1) for i in range(0, big.numel(), STRIDE))
+    assert tensor_digest(big) == sampled % (2**61 - 1)  # a large one, every STRIDE-th element
     assert tensor_digest(big) == tensor_digest(big.view(torch.bfloat16))  # bytes, not values
+    # a training step moves nearly every weight: a large tensor that moved is seen
+    weights = torch.randn(2**20, generator=torch.Generator().manual_seed(1))
+    assert tensor_digest(weights) != tensor_digest(weights - 1e-3 * weights.sign())
 
 
 @pytest.fixture(scope="module")
