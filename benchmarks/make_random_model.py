@@ -7,6 +7,8 @@ Shapes:
 * ``qwen05``: Qwen2.5-0.5B's shape (``Qwen2Config``: vocabulary 49152, hidden 896, intermediate 4864, 24 layers,
   14 attention heads, 2 key-value heads, tied embeddings; bos 1, eos 2, pad 2), with SmolLM2's 49152-token
   vocabulary instead of Qwen's 151936 so that the default tokenizer fits;
+* ``qwen05-152k``: the same with Qwen2.5's own vocabulary of 151,936 rows (the lm head of the real model; the
+  SmolLM2 tokenizer saved beside it uses the first 49,152 of them);
 * ``smol135``: SmolLM2-135M's shape (``LlamaConfig``: vocabulary 49152, hidden 576, intermediate 1536, 30 layers,
   9 attention heads, 3 key-value heads, head_dim 64, tied embeddings, rms_norm_eps 1e-5; bos 1, eos 2, pad 2).
 
@@ -57,6 +59,12 @@ def qwen05_config():
     )
 
 
+def qwen05_152k_config():
+    config = qwen05_config()
+    config.vocab_size = 151_936
+    return config
+
+
 def smol135_config():
     from transformers import LlamaConfig
 
@@ -66,7 +74,7 @@ def smol135_config():
     )
 
 
-SHAPES = {"qwen05": qwen05_config, "smol135": smol135_config}
+SHAPES = {"qwen05": qwen05_config, "qwen05-152k": qwen05_152k_config, "smol135": smol135_config}
 
 
 def load_tokenizer(folder: Path | None):

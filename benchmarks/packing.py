@@ -13,7 +13,9 @@ scores the same micro-batches three ways, side by side in one run:
   row, no padding, each completion with its own copy of the prompt (packing before the prefix tree; flash
   attention's layout);
 * ``tree``: the same with ``layout="packed_tree"`` (``lit_grpo.core.prefix_tree``): each prompt once, its
-  completions as branches, a custom mask.
+  completions as branches, attending in blocks of queries to their own root paths
+  (``lit_grpo.core.tree_attention``);
+* ``tree-dense``: the tree through sdpa over the dense ``T x T`` mask (``dense_mask=True``), the blocks' reference.
 
 Each path is timed ``--repeats`` times per micro-batch after a warm-up (the median is reported). ``--profile``
 runs each path once more under ``torch.profiler`` and prints its operators' self CPU time grouped by kind
@@ -73,7 +75,8 @@ def force_copies_layout() -> None:
 #: operator name fragments -> the kind the profile groups them under (first match wins)
 KINDS = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")),
-    ("attention", ("scaled_dot_product", "flash_attention", "aten::_softmax", "aten::softmax")),
+    ("attention", ("scaled_dot_product", "flash_attention", "aten::_softmax", "aten::softmax",
+                   "aten::index_select", "aten::index_add")),  # the tree's blocks gather their keys
     ("log-softmax / vocab", ("log_softmax", "logsumexp", "aten::gather", "aten::exp", "aten::sub")),
     ("mask", ("aten::le", "aten::lt", "aten::__and__", "aten::logical_and", "aten::bitwise_and", "aten::where",
               "aten::masked_fill")),
@@ -88,7 +91,8 @@ def profile_by_kind(fn, model, mb) -> tuple[dict[str, float], list[tuple[str, fl
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        timed_step(fn, model, mb)
+        seconds, _ = timed_step(fn, model, mb)
+    print(f"    profiled pass: {seconds:.2f} s wall")
     totals: dict[str, float] = {}
     others: list[tuple[str, float]] = []
     for event in prof.key_averages():
@@ -119,11 +123,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batches", type=int, default=1, help="timed micro-batches per path (seeds 0, 1, ...)")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's 30, for a quick run")
     parser.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, eager)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each path per micro-batch (median)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs of each path per micro-batch (median); 0 with --profile: the profiled pass")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="activation checkpointing of the decoder layers (long rows: activations otherwise grow "
+                             "past the memory)")
     parser.add_argument("--profile", action="store_true", help="also profile each path once, by operator kind")
+    parser.add_argument("--paths", default="padded,copies,tree,tree-dense",
+                        help="comma-separated paths to run (padded, copies, tree, tree-dense)")
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats < 1 and not args.profile:
+        parser.error(f"--repeats must be >= 1 (0 only with --profile: its one pass is timed), got {args.repeats}")
 
     import functools
     import statistics
@@ -142,12 +152,19 @@ def main(argv: list[str] | None = None) -> None:
     config._attn_implementation = args.attn
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reason = packing_supported(model)
     if reason is not None:
         raise SystemExit(reason)
     paths = {"padded": completion_logprobs,
              "copies": functools.partial(packed_completion_logprobs, layout="packed"),
-             "tree": functools.partial(packed_completion_logprobs, layout="packed_tree")}
+             "tree": functools.partial(packed_completion_logprobs, layout="packed_tree"),
+             "tree-dense": functools.partial(packed_completion_logprobs, layout="packed_tree", dense_mask=True)}
+    chosen = args.paths.split(",")
+    if unknown := sorted(set(chosen) - set(paths)):
+        parser.error(f"--paths: unknown {', '.join(unknown)}; expected some of {', '.join(paths)}")
+    paths = {name: paths[name] for name in chosen}
     warm = uneven_micro_batch(1, 2, 8, 16, config.vocab_size, seed=99)
     for fn in paths.values():
         timed_step(fn, model, warm)
@@ -167,11 +184,14 @@ def main(argv: list[str] | None = None) -> None:
             "copies": prompt_real + real - mb.completion_ids.shape[0],
             "tree": tree_layout(mb).input_ids.shape[1],
         }
+        computed["tree-dense"] = computed["tree"]
         start = time.perf_counter()
         tree_layout(mb)
         print(f"    the tree's layout (Python, host): {1000 * (time.perf_counter() - start):.1f} ms")
         results = {}
         for name, fn in paths.items():
+            if args.repeats == 0:
+                continue
             runs = [timed_step(fn, model, mb) for _ in range(args.repeats)]
             seconds, logp = statistics.median(r[0] for r in runs), runs[-1][1]
             results[name] = logp
@@ -180,9 +200,10 @@ def main(argv: list[str] | None = None) -> None:
             useful = int(mb.prompt_mask.sum()) + real - mb.completion_ids.shape[0]  # prompts once, no padding
             print(f"{seed:>3} {name:>7} {real:>9} {computed[name]:>9} {100 * (1 - useful / computed[name]):>7.1f}% "
                   f"{seconds:>10.2f} {real / seconds:>8.1f}")
-        for name in ("copies", "tree"):
-            diff = (results[name] - results["padded"])[mb.completion_mask.bool()].abs().max().item()
-            print(f"    max |logp {name} - padded| = {diff:.2e}")
+        reference = "padded" if "padded" in results else next(iter(results), None)
+        for name in results.keys() - {reference}:
+            diff = (results[name] - results[reference])[mb.completion_mask.bool()].abs().max().item()
+            print(f"    max |logp {name} - {reference}| = {diff:.2e}")
         if args.profile:
             for name, fn in paths.items():
                 kinds, others = profile_by_kind(fn, model, mb)
@@ -191,11 +212,15 @@ def main(argv: list[str] | None = None) -> None:
                                    for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
                 print(f"    profile {name:>6}: {total:.2f} s self CPU: {shares}")
                 print("        largest of other: " + ", ".join(f"{k} {v:.2f} s" for k, v in others))
+    if args.repeats == 0:
+        return
     for name, (tokens, seconds) in totals.items():
         print(f"all {name:>7}: {tokens} completion tokens in {seconds:.2f} s, {tokens / seconds:.1f} tok/s")
-    for name in ("copies", "tree"):
+    for name in totals.keys() - {"padded"} if "padded" in totals else ():
         print(f"{name} / padded speed: {totals['padded'][1] / totals[name][1]:.2f}x")
-    print(f"tree / copies speed: {totals['copies'][1] / totals['tree'][1]:.2f}x")
+    for a, b in (("tree", "copies"), ("tree", "tree-dense")):
+        if a in totals and b in totals:
+            print(f"{a} / {b} speed: {totals[b][1] / totals[a][1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -232,8 +232,15 @@ def test_the_budget_bounds_every_packed_row_the_module_feeds(tmp_path, monkeypat
     assert not [w for w in recwarn if "micro_batch_tokens" in str(w.message)]
 
 
-def test_packing_without_a_budget_is_warned_once_naming_the_option(tmp_path, monkeypatch, recwarn) -> None:
-    packed_fit(tmp_path, monkeypatch, None)
-    found = [str(w.message) for w in recwarn if "model.packing" in str(w.message)]
-    assert len(found) == 1 and "\n" not in found[0], found
-    assert "data.micro_batch_tokens" in found[0]
+def test_packing_without_a_budget_is_warned_once_where_attention_is_dense() -> None:
+    """sdpa's tree attends in blocks, so a row of whole sequences costs what it holds; eager's mask is dense."""
+    from conftest import tiny_module
+
+    from lit_grpo.data.fit_checks import packing_without_budget
+
+    module = tiny_module(packing=True)
+    assert packing_without_budget(module, None, 16) is None
+    assert packing_without_budget(module, 4096, 16) is None
+    module.policy.config._attn_implementation = "eager"
+    line = packing_without_budget(module, None, 16)
+    assert "\n" not in line and "eager attention in the prefix tree" in line and "data.micro_batch_tokens" in line

@@ -10,7 +10,8 @@ from test_packing import TOL, llama, uneven_micro_batch
 from lit_grpo.core.batch import MicroBatch, left_pad, micro_batch_views
 from lit_grpo.core.micro_batch_plan import tree_tokens
 from lit_grpo.core.packing import packed_completion_logprobs, packed_layout_kind
-from lit_grpo.core.prefix_tree import tree_attention_mask, tree_layout, tree_supported, tree_token_count
+from lit_grpo.core.prefix_tree import tree_layout, tree_supported, tree_token_count
+from lit_grpo.core.tree_attention import tree_attention_mask
 from lit_grpo.core.scoring import completion_logprobs
 
 
@@ -162,13 +163,12 @@ def test_the_tree_holds_in_bf16(attn: str, precision: str) -> None:
 def test_without_the_tree_mask_branches_see_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
     """The equality rests on the mask: with plain causal attention over the layout, a branch attends to its
     siblings laid out before it and the numbers differ."""
-    import lit_grpo.core.prefix_tree as prefix_tree
+    import lit_grpo.core.tree_attention as tree_attention
 
     model = llama("sdpa").eval()
     mb = uneven_micro_batch(seed=0)
     real = mb.completion_mask.bool()
-    monkeypatch.setattr(prefix_tree, "tree_attention_mask",
-                        lambda end: torch.ones(end.numel(), end.numel(), dtype=torch.bool).tril())
+    monkeypatch.setattr(tree_attention, "may_attend", lambda queries, keys, end: keys[None, :] <= queries[:, None])
     with torch.no_grad():
         padded, _ = completion_logprobs(model, mb, 1.0)
         leaking, _ = packed_completion_logprobs(model, mb, 1.0, layout="packed_tree")

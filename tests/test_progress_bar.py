@@ -86,3 +86,33 @@ def test_the_default_bar_gives_way_to_a_given_bar_or_to_none():
     assert default_progress_bar({"callbacks": [TQDMProgressBar(refresh_rate=5)]}, []) is None
     assert default_progress_bar({"callbacks": RichProgressBar()}, []) is None
     assert default_progress_bar({}, [TQDMProgressBar()]) is None
+
+
+def test_a_remote_generation_reports_answered_requests_and_the_time_while_waiting(monkeypatch):
+    """The remote engines' wait (``progress.wait_reporting``): reports while a slow request is still out, each
+    request's sequences and tokens once it is answered, the results in the requests' order."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.02)
+    reports = []
+    stop = progress.listen(reports.append)
+    release = threading.Event()
+
+    def answer(tokens: int, slow: bool) -> list[list[int]]:
+        if slow:
+            release.wait(5)
+        return [[0] * tokens, [0] * tokens]  # two sequences
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(answer, 3, True), pool.submit(answer, 5, False)]
+            threading.Timer(0.2, release.set).start()
+            results = progress.wait_reporting(futures, 4, lambda seqs: (len(seqs), sum(map(len, seqs))))
+    finally:
+        stop()
+    assert [len(r[0]) for r in results] == [3, 5]
+    waiting = [r for r in reports if r.sequences_done == 2]
+    assert waiting and all(r.tokens == 10 for r in waiting)  # the fast request answered, the slow one out
+    assert len({round(r.seconds, 2) for r in waiting}) > 1  # the time moves while nothing else does
+    assert reports[-1].sequences_done == 4 and reports[-1].tokens == 16

@@ -64,3 +64,29 @@ def test_a_bad_value_is_refused_in_one_line():
     with pytest.raises(ValueError, match="expected decode 'auto' or 'dynamic', got 'static'"):
         TransformersEngine(torch.nn.Linear(2, 2), [0], 0, sampler_autocast="bf16", decode="static")
     assert not TransformersEngine(torch.nn.Linear(2, 2), [0], 0, sampler_autocast="bf16").uses_static_decoding()
+
+
+def test_the_recompute_of_alpha_follows_the_modules_head_chunks(monkeypatch):
+    """The data module builds the engine with the module's ``head_chunk_mb``, and the engine's recompute runs the
+    head in the same chunks as the trainer's pass (each chunk's sum is the trainer's, not the default budget's)."""
+    from conftest import tiny_module
+
+    import lit_grpo.core.scoring as scoring
+    from lit_grpo.core.scoring import layout_logprobs
+    from lit_grpo.data.engine_setup import build_rollout_engine
+
+    module = tiny_module(head_chunk_mb=0.01)
+    tokenizer = module.tokenizer
+    engine = build_rollout_engine(TransformersOptions(decode="dynamic"), module, tokenizer, 0, False)
+    assert engine.head_chunk_mb == 0.01
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    padded = pad_rollouts(prompts, engine.generate(prompts, 2, SAMPLING, seed=1), tokenizer.pad_token_id, 4)
+    budgets = []
+    original = scoring.completion_logprobs
+    monkeypatch.setattr(scoring, "completion_logprobs",
+                        lambda *a, **k: budgets.append(k.get("head_chunk_mb")) or original(*a, **k))
+    alpha = engine.score(padded, 1.0)
+    assert budgets and set(budgets) == {0.01}
+    with torch.no_grad():
+        trainer = layout_logprobs(engine.model, padded, 1.0, 0.01)
+    assert torch.equal(alpha, trainer)

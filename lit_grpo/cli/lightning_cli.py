@@ -41,6 +41,7 @@ from lit_grpo.evaluation.pass_at_k import (
     log_pass_at_k,
     pass_at_k_table,
 )
+from lit_grpo.training.memory_check import UpdateMemoryError
 from lit_grpo.training.module import GRPOModule
 from lit_grpo.training.precision import check_trainer_precision
 from lit_grpo.training.trainer_knobs import trainer_knob_error
@@ -290,7 +291,10 @@ class GRPOCLI(OneLineErrorsCLI):
 
     def run_failure(self, err: Exception) -> UsageError | None:
         """A rollout server's failure once ``fit`` runs: one line (:mod:`lit_grpo.cli.run_failures`) naming the
-        server, the step and the checkpoint to resume from."""
+        server, the step and the checkpoint to resume from; a micro-batch that cannot fit the memory
+        (:mod:`lit_grpo.training.memory_check`), before the first step."""
+        if isinstance(err, UpdateMemoryError) and self.subcommand == "fit":
+            return UsageError(str(err), self._where("data.micro_batch_tokens"))
         failure = server_error_in(err)
         trainer = getattr(self, "trainer", None)
         if failure is None or trainer is None or self.subcommand != "fit":

@@ -191,3 +191,13 @@ def padding_tokens(micro_batches: list[MicroBatch]) -> torch.Tensor:
     real = torch.stack([mb.prompt_mask.sum() + mb.completion_mask.sum() for mb in micro_batches]).sum()
     total = torch.tensor(float(computed), dtype=torch.float64, device=real.device)
     return torch.stack([total - real.to(torch.float64), total])
+
+
+def alpha_logprobs(batch: RolloutBatch, mb: MicroBatch, pik_logp: torch.Tensor) -> torch.Tensor:
+    """log alpha on ``mb``'s tokens (alpha: the policy that sampled the batch, eq. 6's denominator).
+
+    The batch carries them (``batch.alpha_logp``) unless alpha = pi_k: the engine that sampled it held exactly the
+    policy's current weights, so the data module skipped the engine's scoring pass (``alpha_logprobs`` there,
+    ``reuse_policy_logprobs``) and the trainer's own first forward on the batch gives those log-probs, ``pik_logp``
+    (the ratio pi_k / alpha is then exactly 1). Every use of alpha in the step resolves it here."""
+    return pik_logp if batch.alpha_logp is None else mb.take(batch.alpha_logp)

@@ -9,7 +9,7 @@ share it as well).
 
 The tree is laid out in depth-first pre-order, so each node's descendants follow it contiguously:
 ``subtree_end[k]`` is one past the last of them. A token at depth ``d`` gets position id ``d``, and attends to the
-keys on its own path from the root (:func:`tree_attention_mask`)::
+keys on its own path from the root (:func:`lit_grpo.core.tree_attention.may_attend`)::
 
     query q may attend key k  <=>  k <= q < subtree_end[k]      (k is q or an ancestor of q)
 
@@ -17,7 +17,9 @@ which, for one row, is exactly the causal attention of ``prompt + completion`` a
 path's numbers, within kernel rounding. Which attention implementations take such a mask (transformers 5.24's
 ``masking_utils._preprocess_mask_arguments`` passes a 4D mask or a ``BlockMask`` through unchanged):
 
-* ``sdpa``: a ``[1, 1, T, T]`` boolean mask (True = attend);
+* ``sdpa``: blocks of queries, each against the keys of its own root path only
+  (:mod:`lit_grpo.core.tree_attention`); the dense ``[1, 1, T, T]`` boolean mask (True = attend) stays as the
+  reference the tests compare the blocks with;
 * ``eager``: the same as an additive mask (0 where attended, the dtype's minimum elsewhere), which its
   ``attn_weights + attention_mask`` expects;
 * ``flex_attention``: a ``BlockMask`` from the same rule as a ``mask_mod``, built from ``subtree_end``; attention
@@ -32,9 +34,9 @@ path's numbers, within kernel rounding. Which attention implementations take suc
 
 Cost: ``T`` = the tree's nodes, at most ``sum over distinct prompts of their length + sum over rows of (completion
 - 1)`` (what :func:`lit_grpo.core.micro_batch_plan.tree_tokens` budgets), against the copies layout's ``sum over
-rows of (prompt + completion - 1)``. With sdpa and eager the mask is dense (``T x T``) and attention's work grows as
-``T^2``, as in the copies layout; flex's attention pays only for the blocks that attend (its mask is built dense,
-above).
+rows of (prompt + completion - 1)``. With sdpa attention's work follows each query's depth (the blocks); with eager
+the mask is dense (``T x T``) and its work grows as ``T^2``, as in the copies layout; flex's attention pays only
+for the blocks that attend (its mask is built dense, above).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from lit_grpo.core.batch import MicroBatch, real_lengths
+from lit_grpo.core.tree_attention import tree_attention_mask, tree_block_mask
 
 #: attention implementations that accept a custom 4D mask (sdpa, eager) or a ``BlockMask`` (flex)
 TREE_ATTENTION = ("sdpa", "eager", "flex_attention")
@@ -130,16 +133,10 @@ def tree_layout(mb: MicroBatch) -> TreeLayout:
     return TreeLayout(as_long(tokens)[None], as_long(depth)[None], as_long(end), as_long(keep), as_long(targets))
 
 
-def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
-    """``[T, T]`` booleans, True where query ``q`` may attend key ``k`` of a pre-order tree: ``k <= q <
-    subtree_end[k]``, i.e. ``k`` is ``q`` or one of its ancestors (the module docstring's rule)."""
-    nodes = torch.arange(subtree_end.numel(), device=subtree_end.device)
-    return (nodes[None, :] <= nodes[:, None]) & (nodes[:, None] < subtree_end[None, :])
-
-
-def model_attention_mask(attn: str, dtype: torch.dtype, subtree_end: torch.Tensor) -> object:
-    """The tree's mask in the form the attention implementation ``attn`` takes: a boolean ``[1, 1, T, T]`` (sdpa),
-    an additive one in ``dtype``, the hidden states' (eager), or a ``BlockMask`` (flex attention)."""
+def model_attention_mask(attn: str, dtype: torch.dtype, subtree_end: torch.Tensor, dense: bool = False) -> object:
+    """The tree's mask in the form the attention implementation ``attn`` takes: for sdpa the blocks of
+    :mod:`lit_grpo.core.tree_attention` (``dense``: a boolean ``[1, 1, T, T]``, the reference), for eager an additive
+    dense mask in ``dtype``, the hidden states', for flex attention a ``BlockMask``."""
     if attn == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -148,6 +145,8 @@ def model_attention_mask(attn: str, dtype: torch.dtype, subtree_end: torch.Tenso
 
         size = subtree_end.numel()
         return create_block_mask(ancestor_or_self, 1, None, size, size, device=subtree_end.device)
+    if attn == "sdpa" and not dense:
+        return tree_block_mask(subtree_end)
     allowed = tree_attention_mask(subtree_end)[None, None]
     if attn == "eager":
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
@@ -155,11 +154,12 @@ def model_attention_mask(attn: str, dtype: torch.dtype, subtree_end: torch.Tenso
     return allowed
 
 
-def tree_forward(model: nn.Module, attn: str, layout: TreeLayout, **head: object) -> object:
+def tree_forward(model: nn.Module, attn: str, layout: TreeLayout, dense: bool = False, **head: object) -> object:
     """One forward of ``model`` (attention implementation ``attn``) over the tree, its output; ``head`` says where
     the lm head runs (``logits_to_keep``, and ``output_hidden_states`` for the chunked head of
-    :mod:`lit_grpo.core.chunked_head`). No cache: the mask is the only thing keeping branches apart."""
-    mask = model_attention_mask(attn, model.get_input_embeddings().weight.dtype, layout.subtree_end)
+    :mod:`lit_grpo.core.chunked_head`); ``dense``: sdpa over the dense mask (the reference) instead of the blocks.
+    No cache: the mask is the only thing keeping branches apart."""
+    mask = model_attention_mask(attn, model.get_input_embeddings().weight.dtype, layout.subtree_end, dense)
     return model(
         input_ids=layout.input_ids,
         attention_mask=mask,

@@ -96,8 +96,18 @@ def check_after_build(module: Any, engine: RolloutEngine, description: str) -> N
 
 def build_rollout_engine(options: EngineOptions, module: Any, tokenizer: Any, max_staleness: int,
                          scores_reference: bool) -> RolloutEngine:
-    """The engine ``options`` name, for the LightningModule ``module``'s policy: in-process, rollout servers over
-    HTTP (the trainer's EOS ids stop them too) or colocated vLLM."""
+    """The engine ``options`` name, for the LightningModule ``module``'s policy, its recompute of alpha at the
+    module's ``head_chunk_mb`` (when the module has one)."""
+    engine = _build_engine(options, module, tokenizer, max_staleness, scores_reference)
+    hparams = getattr(module, "hparams", None)
+    if hparams is not None and "head_chunk_mb" in hparams:
+        engine.head_chunk_mb = hparams["head_chunk_mb"]
+    return engine
+
+
+def _build_engine(options: EngineOptions, module: Any, tokenizer: Any, max_staleness: int,
+                  scores_reference: bool) -> RolloutEngine:
+    """In-process, rollout servers over HTTP (the trainer's EOS ids stop them too) or colocated vLLM."""
     eos = eos_token_ids(tokenizer, module.policy)
     if isinstance(options, TransformersOptions):
         from lit_grpo.engines.transformers_engine import TransformersEngine

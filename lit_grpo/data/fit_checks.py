@@ -125,20 +125,26 @@ def constant_normaliser_mismatch(module: Any, sampling: SamplingConfig) -> str |
 
 def packing_without_budget(module: Any, micro_batch_tokens: int | None, micro_batch_size: int) -> str | None:
     """The warning for ``model.packing`` without ``data.micro_batch_tokens``, or ``None``. Without a budget a packed
-    row is ``micro_batch_size`` whole sequences (a prefix tree, or each with its own prompt), and sdpa and eager
-    attention mask it densely, at the square of its length (the demo's update on a CPU, in the copies layout: 20x
-    slower than unpacked); flash and flex attention skip what the sequences do not attend to, so they are not warned
-    about."""
+    row is ``micro_batch_size`` whole sequences, and where its attention is masked densely it costs the square of
+    the row's length (the demo's update on a CPU, in the copies layout: 20x slower than unpacked): eager attention,
+    and sdpa in the copies layout (models with sliding-window layers). sdpa's prefix tree attends in blocks
+    (:mod:`lit_grpo.core.tree_attention`), and flash and flex attention skip what the sequences do not attend to,
+    so they are not warned about."""
     if module_setting(module, "packing") is not True or micro_batch_tokens is not None:
         return None
-    config = getattr(getattr(module, "policy", None), "config", None)
-    attention = getattr(config, "_attn_implementation", None)
-    if isinstance(attention, str) and attention.startswith(("flash_attention", "flex_attention")):
+    policy = getattr(module, "policy", None)
+    attention = getattr(getattr(policy, "config", None), "_attn_implementation", None)
+    if not isinstance(attention, str) or attention.startswith(("flash_attention", "flex_attention")):
         return None
+    from lit_grpo.core.packing import packed_layout_kind
+
+    if attention == "sdpa" and packed_layout_kind(policy) == "packed_tree":
+        return None
+    layout = "prefix tree" if packed_layout_kind(policy) == "packed_tree" else "copies layout"
     return (f"model.packing: true without data.micro_batch_tokens packs each micro-batch of micro_batch_size="
-            f"{micro_batch_size} whole sequences into one row, and {attention or 'this'} "
-            "attention masks it densely, at the square of its length (on a CPU the update can be many times "
-            "slower than unpacked); set data.micro_batch_tokens (e.g. 4096) to bound each packed row")
+            f"{micro_batch_size} whole sequences into one row, and {attention} attention in the {layout} masks it "
+            "densely, at the square of its length (on a CPU the update can be many times slower than unpacked); set "
+            "data.micro_batch_tokens (e.g. 4096) to bound each packed row")
 
 
 def syncs_rollout_engine(candidate: object) -> bool:

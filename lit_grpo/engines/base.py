@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from lit_grpo.core.batch import MicroBatch
+from lit_grpo.core.chunked_head import DEFAULT_HEAD_CHUNK_MB
 from lit_grpo.models.lora import AdapterUpdate  # noqa: F401 (one LoRA push: defined beside the functions that build it)
 
 
@@ -102,6 +103,10 @@ class RolloutEngine(ABC):
     #: current weights alpha = pi_k and the trainer's first forward gives alpha's log-probs
     #: (``data.reuse_policy_logprobs``); ``False``: the sampler's own log-probs are alpha's
     rescore: bool = False
+    #: MiB of float32 logits past which the recompute of alpha (``score``) runs the lm head in chunks: the
+    #: trainer's ``model.head_chunk_mb`` (set when the data module builds the engine), so that both passes see the
+    #: same chunks and alpha = pi_k holds to the bit when the engine holds the policy's weights
+    head_chunk_mb: float | None = DEFAULT_HEAD_CHUNK_MB
 
     @abstractmethod
     def generate(

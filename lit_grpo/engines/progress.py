@@ -1,5 +1,6 @@
 """How far a generation has come, for whoever shows it: the in-process engine reports the sequences it finished and
-the tokens it decoded while it decodes, and a listener (the command line's progress bar, ``lit_grpo.cli.progress``)
+the tokens it decoded while it decodes (a remote engine, the sequences and tokens of the requests answered so far,
+:func:`wait_reporting`), and a listener (the command line's progress bar, ``lit_grpo.cli.progress``)
 shows them, so that a long rollout is not a frozen bar. Reports are at most one per :data:`INTERVAL_S` seconds per
 generation, and cost nothing without a listener.
 """
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import Any
 
 #: the least time between two reports of one generation
 INTERVAL_S = 1.0
@@ -74,3 +77,21 @@ class Reporter:
             listeners = list(_listeners)
         for listener in listeners:
             listener(progress)
+
+
+def wait_reporting(futures: Sequence[Future], sequences: int, count: Callable[[Any], tuple[int, int]]) -> list[Any]:
+    """The results of ``futures`` in their order, reporting while they run: ``count(result)`` gives the sequences
+    and tokens of each finished one, and a report comes at most once per interval even when none finished, so the
+    time spent shows while a long request decodes on a server."""
+    reporter = Reporter(sequences)
+    done = [0, 0]  # sequences, tokens
+    pending = set(futures)
+    while pending:
+        finished, pending = wait(pending, timeout=reporter.interval_s, return_when=FIRST_COMPLETED)
+        for future in finished:
+            if future.exception() is None:
+                done_sequences, done_tokens = count(future.result())
+                done[0], done[1] = done[0] + done_sequences, done[1] + done_tokens
+        reporter.update(done[0], lambda: done[1])
+    reporter.done(lambda: done[1])
+    return [future.result() for future in futures]

@@ -405,7 +405,7 @@ class TransformersEngine(RolloutEngine):
         ``sampler_autocast``: the recompute is the trainer's function of the engine's weights."""
         if not self.rescore:
             return None
-        return layout_logprobs(self.model, layout, temperature)
+        return layout_logprobs(self.model, layout, temperature, self.head_chunk_mb)
 
     def state_dict(self) -> dict[str, Any]:
         """The copy's weights by name; for a LoRA copy (peft names: base and adapter) also its spec (``LORA_SPEC_KEY``,

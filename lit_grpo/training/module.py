@@ -14,7 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lit_grpo.core.batch import MicroBatch, RolloutBatch, padding_tokens
+from lit_grpo.core.batch import MicroBatch, RolloutBatch, alpha_logprobs, padding_tokens
 from lit_grpo.core.chunked_head import DEFAULT_HEAD_CHUNK_MB, chunked_head_unsupported
 from lit_grpo.core.distributed import (
     all_reduce,
@@ -27,11 +27,10 @@ from lit_grpo.core.distributed import (
     rank_and_world,
     sum_over_ranks,
 )
-from lit_grpo.core.measured_metrics import log_measured
 from lit_grpo.core.option_groups import as_group, plain
 from lit_grpo.core.packing import packed_layout_kind, packing_supported
 from lit_grpo.core.quiet import quiet_lightning
-from lit_grpo.core.scoring import active_dropout, completion_logprobs, dropout_off, policy_logprobs
+from lit_grpo.core.scoring import completion_logprobs, dropout_off, policy_logprobs
 from lit_grpo.math.aggregation import (
     token_weights,
     zero_variance_dropped_weights,
@@ -49,20 +48,17 @@ from lit_grpo.math.tv import tv_estimate
 from lit_grpo.models.copies import frozen_copy
 from lit_grpo.models.loading import checkpointing_call, disable_dropout, load_model_and_tokenizer
 from lit_grpo.models.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_model_of
-from lit_grpo.training.completion_table import log_sampled_completions
-from lit_grpo.training.flops import device_peak_flops, fed_tokens, parameter_count
+from lit_grpo.training.flops import fed_tokens, parameter_count
 from lit_grpo.training.losses import LossOptions, build_loss, check_loss_inputs, check_loss_output, loss_inputs
+from lit_grpo.training.memory_check import check_update_memory
 from lit_grpo.training.optim import OptimizerArgs, build_optimizer
 from lit_grpo.training.option_checks import check_head_chunk_mb, check_loss_aggregation, check_module_numbers
 from lit_grpo.training.precision import check_trainer_precision, check_weights_dtype
 from lit_grpo.training.rng_state import gathered_rng_states, restore_rng_states
-from lit_grpo.training.stat_reduction import merge_stats, reduce_stats
+from lit_grpo.training.stat_reduction import merge_stats
+from lit_grpo.training.step_logging import log_step, tv_after_update
 from lit_grpo.training.step_metrics import (
-    MEASURED_AT_SOME_STEPS,
-    UpdateCost,
     first_iteration_stats,
-    step_metrics,
-    step_statistics,
     wait_for_device,
 )
 from lit_grpo.training.trainer_knobs import trainer_knob_error
@@ -278,6 +274,9 @@ class GRPOModule(L.LightningModule):
         precision = str(getattr(self.trainer, "precision", "32-true"))
         check_trainer_precision(precision)
 
+    def on_train_start(self) -> None:
+        check_update_memory(self, self.trainer)  # refuse a micro-batch this machine cannot hold, before step 1
+
     # ---- parallelism --------------------------------------------------------------------------------
     def configure_model(self) -> None:
         """Shard policy and reference alike: FSDP2 under ``ModelParallelStrategy`` (``fully_shard`` over the
@@ -398,7 +397,8 @@ class GRPOModule(L.LightningModule):
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
         """i optimizer steps on one rollout batch, each over every micro-batch. The statistics stay on the device
-        for the whole update (no host sync per micro-batch) and reach the host once, in ``log_step``."""
+        for the whole update (no host sync per micro-batch) and reach the host once
+        (``lit_grpo.training.step_logging.log_step``)."""
         hp = self.hparams
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
@@ -431,7 +431,7 @@ class GRPOModule(L.LightningModule):
                 self.update_entropy_coefficient(totals)
             iteration_stats.append(totals)
         if hp.monitor_tv_after_update:
-            iteration_stats[-1]["tv_pi_alpha_sum"] = self.tv_after_update(batch, micro_batches, pik_logps)
+            iteration_stats[-1]["tv_pi_alpha_sum"] = tv_after_update(self, batch, micro_batches, pik_logps)
         wait_for_device(self.device)  # the clock must hold the work still queued on an accelerator
         update_seconds = time.perf_counter() - start
         # the tokens fed, as laid out (a prefix tree's nodes: each shared prefix once, lit_grpo.training.flops),
@@ -441,7 +441,7 @@ class GRPOModule(L.LightningModule):
             iteration_stats[0]["padded_tokens"], iteration_stats[0]["computed_tokens"] = fed * 0, fed
         else:
             iteration_stats[0]["padded_tokens"], iteration_stats[0]["computed_tokens"] = padding_tokens(micro_batches)
-        self.log_step(batch, iteration_stats, grad_norms, staleness, update_seconds)
+        log_step(self, batch, iteration_stats, grad_norms, staleness, update_seconds)
         return torch.stack([stats["loss"] for stats in iteration_stats]).mean()
 
     def micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
@@ -572,49 +572,6 @@ class GRPOModule(L.LightningModule):
         shares = self._micro_batches_per_step * rank_and_world()[1]
         return coef * entropy_bonus(entropy, effective) / shares
 
-    @torch.no_grad()
-    def tv_after_update(self, batch: RolloutBatch, micro_batches: list[MicroBatch],
-                        pik_logps: list[torch.Tensor]) -> torch.Tensor:
-        """Sum over tokens of the TV(pi, alpha) estimate with pi the policy after the batch's last optimizer step
-        (one no-grad pass; every rank makes it, so sharded ranks stay in step). A device tensor: no host sync."""
-        sums = []
-        for j, mb in enumerate(micro_batches):
-            with dropout_off(self.policy):  # the policy itself, as the sampler runs it (LoRA dropout off)
-                logp, _ = completion_logprobs(self.policy, mb, self.hparams.temperature, **self.scoring)
-            sums.append(tv_estimate(logp, alpha_logprobs(batch, mb, pik_logps[j]), mb.loss_mask).sum)
-        return torch.stack(sums).sum()
-
-    # ---- logging --------------------------------------------------------------------------------------
-    def log_step(self, batch: RolloutBatch, iteration_stats: list[dict], grad_norms: list[torch.Tensor],
-                 staleness: int, update_seconds: float) -> None:
-        """Log the step's metrics (``lit_grpo.training.step_metrics``), reduced over ranks so that they mean what they
-        mean
-        in one process, each as the one rule of ``lit_grpo.training.stat_reduction`` says. The device statistics reach
-        the
-        host here, in one transfer (``reduce_stats``)."""
-        hp = self.hparams
-        reduced = reduce_stats(step_statistics(iteration_stats, grad_norms, batch.stats, update_seconds))
-        # pi_ref's pass counts where it ran: not here when the rollout server made it
-        # LoRA dropout adds one dropout-free no-grad pass per iteration (lit_grpo.core.scoring.policy_logprobs)
-        dropout_passes = hp.iterations_per_batch if active_dropout(self.policy) else 0
-        cost = UpdateCost(parameters=self.policy_parameters, reference_pass=hp.beta > 0 and not self._reference_served,
-                          extra_no_grad_passes=int(hp.monitor_tv_after_update) + dropout_passes,
-                          devices=rank_and_world()[1],
-                          peak_flops=device_peak_flops(self.device, hp.peak_flops))
-        metrics = step_metrics(reduced, len(iteration_stats), len(grad_norms), staleness, self._reference_served,
-                               float(self.lr_schedulers().get_last_lr()[0]), cost)
-        if self.entropy_coef != 0.0 or self.entropy_options.adaptive:
-            metrics["train/entropy_coef"] = self.entropy_coef
-        batch_size = batch.num_sequences
-        # Lightning would hand a value logged once to the loggers at every later step: these go at their step only
-        log_measured(self, {key: metrics.pop(key) for key in MEASURED_AT_SOME_STEPS if key in metrics})
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
-        self.log("reward", metrics.get("rollout/reward_mean", 0.0), prog_bar=True, on_step=True, batch_size=batch_size)
-        self.log("staleness", float(staleness), prog_bar=True, on_step=True, batch_size=batch_size)
-        every = hp.log_completions_every_n_steps
-        if every and batch.batch_index % every == 0 and self.global_rank == 0:
-            log_sampled_completions(self, batch, staleness)
-
     # ---- exact resume -------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng_states"] = gathered_rng_states()
@@ -633,13 +590,3 @@ class GRPOModule(L.LightningModule):
             merge_log(self.policy).load_state_dict(checkpoint["lora_merge_log"])
         if checkpoint.get("rng_states"):
             restore_rng_states(checkpoint["rng_states"])
-
-
-def alpha_logprobs(batch: RolloutBatch, mb: MicroBatch, pik_logp: torch.Tensor) -> torch.Tensor:
-    """log alpha on ``mb``'s tokens (alpha: the policy that sampled the batch, eq. 6's denominator).
-
-    The batch carries them (``batch.alpha_logp``) unless alpha = pi_k: the engine that sampled it held exactly the
-    policy's current weights, so the data module skipped the engine's scoring pass (``alpha_logprobs`` there,
-    ``reuse_policy_logprobs``) and the trainer's own first forward on the batch gives those log-probs, ``pik_logp``
-    (the ratio pi_k / alpha is then exactly 1). Every use of alpha in the step resolves it here."""
-    return pik_logp if batch.alpha_logp is None else mb.take(batch.alpha_logp)

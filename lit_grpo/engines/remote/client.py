@@ -50,6 +50,7 @@ from lit_grpo.engines.base import (
     ScoringLayout,
 )
 from lit_grpo.engines.options import ServerOptions
+from lit_grpo.engines.progress import wait_reporting
 from lit_grpo.engines.remote.adapter_push import merges_held, push_served_adapter, push_vllm_adapter
 from lit_grpo.engines.remote.connection import RouterConnection, ServerConnection
 from lit_grpo.engines.remote.fleet import Fleet
@@ -418,8 +419,10 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         with ThreadPoolExecutor(max_workers=min(32, len(requests))) as pool:
             futures = [pool.submit(self._complete_on_fleet, r, [prompts[i] for i in r.indices], n, sampling,
                                    salts[r.indices[0]] if salts is not None else None) for r in requests]
-            for request, future in zip(requests, futures):
-                for i, group in zip(request.indices, future.result()):
+            answered = wait_reporting(futures, len(prompts) * n, lambda groups: (
+                sum(map(len, groups)), sum(len(c.token_ids) for g in groups for c in g)))  # a long rollout's progress
+            for request, groups in zip(requests, answered):
+                for i, group in zip(request.indices, groups):
                     results[i] = group
         return results  # type: ignore[return-value]
 
@@ -542,7 +545,7 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         is the trainer's recompute; ``None`` otherwise (alpha is the servers' report)."""
         if self.kept_weights is None:
             return None
-        return self.kept_weights.score(layout, temperature, self.synced_step)
+        return self.kept_weights.score(layout, temperature, self.synced_step, self.head_chunk_mb)
 
     def kept_weights_stats(self) -> dict[str, float]:
         """``KeptWeights.stats`` (empty without ``keep_pushed_weights``): the batch statistics of the kept copy."""

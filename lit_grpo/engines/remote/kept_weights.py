@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_grpo.core.chunked_head import DEFAULT_HEAD_CHUNK_MB
 from lit_grpo.core.distributed import is_sharded
 from lit_grpo.core.scoring import layout_logprobs
 from lit_grpo.engines.base import ScoringLayout
@@ -169,18 +170,20 @@ class KeptWeights:
         self.version = int(step)
 
     # ---- alpha --------------------------------------------------------------------------------------
-    def score(self, layout: ScoringLayout, temperature: float, version: int) -> torch.Tensor | None:
+    def score(self, layout: ScoringLayout, temperature: float, version: int,
+              head_chunk_mb: float | None = DEFAULT_HEAD_CHUNK_MB) -> torch.Tensor | None:
         """Log-probs ``[S, C]`` of the layout's completions under the kept weights, over its padded micro-batches
         (``layout_logprobs``, the in-process engine's path), in the caller's precision context; ``None`` when
-        the copy does not hold ``version`` or a merge changed the policy's base since the adapter's push."""
+        the copy does not hold ``version`` or a merge changed the policy's base since the adapter's push.
+        ``head_chunk_mb``: the trainer's lm head chunk budget."""
         if self.version is None or self.version != int(version):
             return None
         start = time.perf_counter()
         device = layout.completion_ids.device
         if self.adapter is not None:
-            out = self._score_adapter(layout, temperature, device)
+            out = self._score_adapter(layout, temperature, device, head_chunk_mb)
         else:
-            out = self._score_full(layout, temperature, device)
+            out = self._score_full(layout, temperature, device, head_chunk_mb)
         if out is not None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -188,20 +191,21 @@ class KeptWeights:
         return out
 
 
-    def _score_full(self, layout: ScoringLayout, temperature: float, device: torch.device) -> torch.Tensor:
+    def _score_full(self, layout: ScoringLayout, temperature: float, device: torch.device,
+                    head_chunk_mb: float | None) -> torch.Tensor:
         model = self.model
         moved = self.where == "cpu" and device.type != "cpu"
         if moved:
             model.to(device)
         try:
             with torch.inference_mode():
-                return layout_logprobs(model, layout, temperature)
+                return layout_logprobs(model, layout, temperature, head_chunk_mb)
         finally:
             if moved:
                 model.to("cpu")
 
-    def _score_adapter(self, layout: ScoringLayout, temperature: float,
-                       device: torch.device) -> torch.Tensor | None:
+    def _score_adapter(self, layout: ScoringLayout, temperature: float, device: torch.device,
+                       head_chunk_mb: float | None) -> torch.Tensor | None:
         from lit_grpo.models.lora_layers import adapter_params, lora_layers
         from lit_grpo.models.lora_merge import merge_log
 
@@ -219,7 +223,7 @@ class KeptWeights:
                 for name, p in params.items():
                     p.copy_(self.adapter[name])
                 policy.eval()  # the in-process engine's copy samples and scores in eval mode
-                return layout_logprobs(policy, layout, temperature)
+                return layout_logprobs(policy, layout, temperature, head_chunk_mb)
             finally:
                 policy.train(was_training)
                 for name, p in params.items():

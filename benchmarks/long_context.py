@@ -1,0 +1,140 @@
+"""Long completions at the paper's scale: the update's memory and speed at 1,024 to 4,096 new tokens, ours (padded,
+prefix tree; the chunked lm head on and off) against TRL 1.16's ``GRPOTrainer``, side by side in one run.
+
+    python benchmarks/long_context.py [--models smollm2 qwen05] [--budgets 1024 2048 4096]
+        [--prompts 1] [--generations 4] [--steps 1] [--threads 2]
+
+Each (model, budget) cell runs ``benchmarks/uneven_lengths.py`` with ``--lengths schedule``: no side samples, every
+side replays the same completions (geometric lengths of rate ``1 / budget``, capped at the budget: mean about 0.63
+of it), so the update's tokens are the same on every side; generation is the replay's own time. The models:
+
+* ``smollm2``: SmolLM2-135M-Instruct (real weights, vocabulary 49,152);
+* ``qwen05``: a random-init model of Qwen2.5-0.5B's shape and vocabulary (151,936 rows,
+  ``make_random_model.py qwen05-152k``), float32, built on first use.
+
+The sides, each in its own process (``uneven_lengths.py`` runs them one after the other):
+
+* ``ours``: padded micro-batches of at most ``--tokens`` tokens (``data.micro_batch_tokens``), the chunked head at
+  its default budget (``model.head_chunk_mb`` 256);
+* ``ours-tree``: ``model.packing`` with the same budget: each micro-batch one prefix tree, attending in blocks;
+* ``ours-full-logits``: ``ours`` with ``model.head_chunk_mb: null``, the head's full logits (before the chunked head);
+* ``trl``: TRL 1.16's ``GRPOTrainer`` on the same replayed rows in float32 (``bf16=False, fp16=False``; precision
+  recorded), ``--trl-micro-batch-size`` rows per forward, no gradient checkpointing, no vLLM, no Liger kernels
+  (their chunked loss needs a GPU): its best settings on a CPU.
+
+Measured per side: peak RSS, update and generation seconds, update tokens per second (the batch's real tokens),
+and the update's share of the physical limit (its model FLOPs at the measured fp32 matmul rate). Writes
+``long_context.json`` (every cell's report) and prints the table docs/speed.md holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+OUTPUT_DIR = REPO_ROOT / "benchmarks" / "results" / "long_context"
+MODELS = ("smollm2", "qwen05")
+SIDES = ("ours", "ours-tree", "ours-full-logits", "trl")
+
+
+def cell_argv(args: argparse.Namespace, model: str, budget: int, sides: list[str], ours_args: list[str],
+              out: Path) -> list[str]:
+    """The ``uneven_lengths.py`` command line of one (model, budget) cell and a set of its sides."""
+    argv = ["--lengths", "schedule", "--eos-rate", repr(1 / budget), "--max-new-tokens", str(budget),
+            "--prompts", str(args.prompts), "--generations", str(args.generations), "--steps", str(args.steps),
+            "--warmup", "0", "--threads", str(args.threads), "--packed-tokens", str(args.tokens),
+            "--trl-micro-batch-size", str(args.trl_micro_batch_size), "--output-dir", str(out),
+            "--sides", *sides, "--ours-args", f"data.micro_batch_tokens={args.tokens}", *ours_args]
+    if model == "qwen05":
+        argv += ["--models", "random", "--random-model", str(qwen_model())]
+    else:
+        argv += ["--models", "smollm2"]
+    return argv
+
+
+def qwen_model() -> Path:
+    folder = OUTPUT_DIR / "models" / "qwen05-152k"
+    if not (folder / "config.json").is_file():
+        from benchmarks.make_random_model import build
+
+        build(folder, "qwen05-152k")
+    return folder.resolve()
+
+
+def run_cell(args: argparse.Namespace, model: str, budget: int) -> dict:
+    """Every side of one cell: the chunked-head sides in one ``uneven_lengths.py`` run, the full-logits side in a
+    second (its ``--ours-args`` differ); their reports, side by side."""
+    from benchmarks import uneven_lengths
+
+    out = args.output_dir / f"{model}-{budget}"
+    runs = {}
+    chunked = [s for s in args.sides if s in ("ours", "ours-tree", "trl")]
+    if chunked:
+        uneven_lengths.main(cell_argv(args, model, budget, chunked, [], out / "chunked"))
+        report = json.loads((out / "chunked" / "uneven_lengths.json").read_text())
+        runs.update(next(iter(report["runs"].values())))
+    if "ours-full-logits" in args.sides:
+        uneven_lengths.main(cell_argv(args, model, budget, ["ours"], ["model.head_chunk_mb=null"], out / "full"))
+        full = json.loads((out / "full" / "uneven_lengths.json").read_text())
+        runs["ours-full-logits"] = next(iter(full["runs"].values()))["ours"]
+        report = report if chunked else full
+    return {"runs": runs, "matmul_fp32_flops_per_s": report["matmul_fp32_flops_per_s"],
+            "versions": report["versions"], "same_lengths": report["same_lengths"]}
+
+
+def table(cells: dict) -> str:
+    """The markdown table of docs/speed.md: one line per (model, budget, side)."""
+    lines = ["| model | budget | side | peak RSS MiB | update s | generate s | update tok/s | of FLOP limit | "
+             "lengths min / median / max |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, cell in cells.items():
+        model, budget = key.rsplit("-", 1)
+        for side in SIDES:
+            run = cell["runs"].get(side)
+            if run is None:
+                continue
+            if "error" in run:
+                lines.append(f"| {model} | {budget} | {side} | {run['error']} | | | | | |")
+                continue
+            summary = run["summary"]
+            median, lengths = summary["median"], summary["lengths"]
+            lines.append(f"| {model} | {budget} | {side} | {run.get('peak_rss_mib', 0):,.0f} | "
+                         f"{median['update']:.1f} | {median['generate']:.1f} | {median['update_tokens_per_s']:.1f} | "
+                         f"{summary['update_fraction_of_limit']:.2f} | {lengths['min']:.0f} / "
+                         f"{lengths['median']:.0f} / {lengths['max']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--budgets", nargs="+", type=int, default=[1024, 2048, 4096], help="max new tokens")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--prompts", type=int, default=1, help="prompts per step")
+    parser.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
+    parser.add_argument("--steps", type=int, default=1, help="measured steps (no warm-up)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096, help="ours: data.micro_batch_tokens (and the tree's)")
+    parser.add_argument("--trl-micro-batch-size", type=int, default=1, help="TRL: rows per forward")
+    parser.add_argument("--output-dir", type=Path, default=OUTPUT_DIR)
+    args = parser.parse_args(argv)
+    for budget in args.budgets:
+        if budget < 16:
+            parser.error(f"--budgets: each budget must be at least 16 tokens, got {budget}")
+    cells = {}
+    for model in args.models:
+        for budget in args.budgets:
+            cells[f"{model}-{budget}"] = run_cell(args, model, budget)
+            args.output_dir.mkdir(parents=True, exist_ok=True)
+            (args.output_dir / "long_context.json").write_text(json.dumps(
+                {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                 "cells": cells}, indent=1) + "\n")
+    print(table(cells))
+
+
+if __name__ == "__main__":
+    main()
