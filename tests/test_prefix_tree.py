@@ -10,9 +10,9 @@ from test_packing import TOL, llama, uneven_micro_batch
 from lit_grpo.core.batch import MicroBatch, left_pad, micro_batch_views
 from lit_grpo.core.micro_batch_plan import tree_tokens
 from lit_grpo.core.packing import packed_completion_logprobs, packed_layout_kind
-from lit_grpo.core.prefix_tree import tree_layout, tree_supported, tree_token_count
-from lit_grpo.core.tree_attention import tree_attention_mask
+from lit_grpo.core.prefix_tree import tree_layout, tree_supported, tree_token_count, tree_windows
 from lit_grpo.core.scoring import completion_logprobs
+from lit_grpo.core.tree_attention import tree_attention_mask
 
 
 def shared_turns_micro_batch() -> MicroBatch:
@@ -168,7 +168,7 @@ def test_without_the_tree_mask_branches_see_each_other(monkeypatch: pytest.Monke
     model = llama("sdpa").eval()
     mb = uneven_micro_batch(seed=0)
     real = mb.completion_mask.bool()
-    monkeypatch.setattr(tree_attention, "may_attend", lambda queries, keys, end: keys[None, :] <= queries[:, None])
+    monkeypatch.setattr(tree_attention, "may_attend", lambda queries, keys, *rest: keys[None, :] <= queries[:, None])
     with torch.no_grad():
         padded, _ = completion_logprobs(model, mb, 1.0)
         leaking, _ = packed_completion_logprobs(model, mb, 1.0, layout="packed_tree")
@@ -211,13 +211,21 @@ def test_which_models_pack_as_a_tree() -> None:
     assert reason is not None and "'flash_attention_2'" in reason and "\n" not in reason
     assert packed_layout_kind(model) == "packed"
     model.config._attn_implementation = "sdpa"
+    # Llama ignores a sliding_window setting (its decoder builds no sliding mask): the tree stays full; without the
+    # model to read, the setting is taken at its word and refused
     model.config.sliding_window = 16
-    assert "sliding window" in tree_supported(model.config) and packed_layout_kind(model) == "packed"
+    assert tree_windows(model.config, model) is None and packed_layout_kind(model) == "packed_tree"
+    assert "sliding window" in tree_supported(model.config)
     model.config.sliding_window = None
-    model.config.layer_types = ["full_attention", "sliding_attention"]
-    assert "sliding_attention" in tree_supported(model.config)
-    with pytest.raises(ValueError, match="packed_tree layout: .*sliding_attention"):
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    assert "chunked_attention" in tree_supported(model.config, model)
+    with pytest.raises(ValueError, match="packed_tree layout: .*chunked_attention"):
         packed_completion_logprobs(model, uneven_micro_batch(), 1.0, layout="packed_tree")
+    model.config.layer_types, model.config.sliding_window = ["full_attention", "sliding_attention"], 8
+    reason = tree_supported(model.config, model)  # Llama's decoder takes no mapping of masks per layer kind
+    assert "one mask per layer kind" in reason and "LlamaForCausalLM" in reason
+    model.config._attn_implementation = "flex_attention"
+    assert "BlockMask" in tree_supported(model.config, model)
 
 
 def test_an_all_empty_micro_batch_feeds_nothing() -> None:

@@ -33,17 +33,22 @@ def long_group_micro_batch(prompt: int = 40, group: int = 8, completion: int = 2
     return mb
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 7, 1000])
-def test_blocks_cover_exactly_the_dense_rule(block_size: int) -> None:
-    end = tree_end()
+@pytest.mark.parametrize(("block_size", "window"), [(1, None), (4, None), (7, None), (1000, None), (4, 3), (7, 5)])
+def test_blocks_cover_exactly_the_dense_rule(block_size: int, window: int | None) -> None:
+    """Every allowed pair once, no other; with a sliding window over the depths too (and a block then gathers only
+    the ancestors some query of it still sees)."""
+    layout = tree_layout(uneven_micro_batch(seed=0, multi_turn=True))
+    end, depth = layout.subtree_end, layout.position_ids[0]
     size = end.numel()
     covered = torch.zeros(size, size, dtype=torch.bool)
-    for block in query_blocks(end, block_size):
+    for block in query_blocks(end, block_size, depth, window):
         assert block.mask.shape[-2:] == (block.end - block.start, block.keys.numel())
         rows = covered[block.start:block.end]
         assert not rows[:, block.keys][block.mask[0, 0]].any()  # no pair twice
         rows[:, block.keys] |= block.mask[0, 0]
-    assert torch.equal(covered, tree_attention_mask(end))
+        if window is not None:
+            assert bool((depth[block.keys] > int(depth[block.start:block.end].min()) - window).all())
+    assert torch.equal(covered, tree_attention_mask(end, depth, window))
 
 
 def random_qkv(size: int, heads: int = 3, kv_heads: int = 3, dim: int = 8, dtype=torch.float32):  # noqa: ANN001, ANN201

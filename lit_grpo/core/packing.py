@@ -31,8 +31,8 @@ packed row of 8k tokens computes (and on a CPU materialises) 64M scores per head
 fewer. For long micro-batches on sdpa keep the token budget moderate; flash attention and flex attention pay only
 for the blocks that attend.
 
-That is the layout under flash attention (and for sliding-window models): each completion carries its own copy of
-its prompt. Under sdpa, eager and flex attention a micro-batch packs as a prefix tree instead, each group's prompt
+That is the layout under flash attention (and for chunked-attention layers): each completion carries its own copy
+of its prompt. Under sdpa, eager and flex attention a micro-batch packs as a prefix tree instead, each group's prompt
 once (:mod:`lit_grpo.core.prefix_tree`); :func:`packed_layout_kind` says which a model gets.
 """
 
@@ -151,7 +151,8 @@ def packed_layout_kind(model: nn.Module) -> str:
     mask; :mod:`lit_grpo.core.prefix_tree`) where its attention takes one, else ``"packed"`` (each completion after
     its own prompt copy; position ids keep the sequences apart). The names are
     :data:`lit_grpo.core.micro_batch_plan.LAYOUTS`, so the token budget costs the layout that runs."""
-    return "packed_tree" if tree_supported(_unwrapped(model).config) is None else "packed"
+    base = _unwrapped(model)
+    return "packed_tree" if tree_supported(base.config, base) is None else "packed"
 
 
 def packed_completion_logprobs(
@@ -178,7 +179,7 @@ def packed_completion_logprobs(
     if layout not in ("packed", "packed_tree"):
         raise ValueError(f"a packed layout is 'packed' or 'packed_tree', got {layout!r}")
     if layout == "packed_tree":
-        if (why := tree_supported(_unwrapped(model).config)) is not None:
+        if (why := tree_supported(_unwrapped(model).config, _unwrapped(model))) is not None:
             raise ValueError(f"packed_tree layout: {why}")
         tree = tree_layout(mb)
         targets, keep = tree.targets, tree.keep

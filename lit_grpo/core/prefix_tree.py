@@ -29,8 +29,10 @@ path's numbers, within kernel rounding. Which attention implementations take suc
   here: ``torch.compile(create_block_mask)``, torch's way to fuse that step away, is untested on a GPU). torch 2.13
   runs flex attention's forward on a CPU but not its backward: a gradient pass with flex needs an accelerator.
 * flash attention takes no mask (only ``cu_seqlens`` of disjoint sequences): it keeps the copies layout, as does a
-  model with sliding-window or chunked layers, whose own window a custom mask would replace
-  (:func:`tree_supported`).
+  model with chunked layers, whose chunks a custom mask would replace, and flex attention on a sliding-window model
+  (:func:`tree_supported`). Sliding-window layers under sdpa and eager take the rule cut to their window on the
+  nodes' depths (``depth[q] - depth[k] < window``): one mask for a model whose layers all slide (Mistral), one per
+  layer kind, as a mapping, for one that mixes them (Qwen2, Gemma 2).
 
 Cost: ``T`` = the tree's nodes, at most ``sum over distinct prompts of their length + sum over rows of (completion
 - 1)`` (what :func:`lit_grpo.core.micro_batch_plan.tree_tokens` budgets), against the copies layout's ``sum over
@@ -51,8 +53,9 @@ from lit_grpo.core.tree_attention import tree_attention_mask, tree_block_mask
 
 #: attention implementations that accept a custom 4D mask (sdpa, eager) or a ``BlockMask`` (flex)
 TREE_ATTENTION = ("sdpa", "eager", "flex_attention")
-#: layer kinds that attend to the whole causal past (a window of their own would be replaced by the tree's mask)
-_FULL_ATTENTION = {"full_attention"}
+#: layer kinds the tree's masks serve: the whole causal past, or its sliding window (a chunked layer's chunks would
+#: be replaced by the tree's mask)
+_TREE_LAYERS = {"full_attention", "sliding_attention"}
 
 
 @dataclass(frozen=True)
@@ -66,19 +69,72 @@ class TreeLayout:
     targets: torch.Tensor  # [N] the tokens they predict
 
 
-def tree_supported(config: object) -> str | None:
+def tree_supported(config: object, model: nn.Module | None = None) -> str | None:
     """``None`` when a model of this transformers ``config``, once it packs at all
     (:func:`lit_grpo.core.packing.packing_supported`), can pack as a prefix tree, else one line saying why not (it
-    then packs with the copies layout, each completion after its own prompt)."""
+    then packs with the copies layout, each completion after its own prompt). Sliding-window layers take the
+    tree's rule cut to their window: a model whose layers all slide (Mistral, Phi-3) takes one such mask; one that
+    mixes full and sliding layers (Qwen2, Gemma 2) a mask per layer kind, which its ``model``'s forward must take
+    as a mapping (checked in its source; without ``model`` it is refused). Flex attention's ``BlockMask`` has no
+    window here: it takes full-attention models only."""
     attn = getattr(config, "_attn_implementation", None)
     if attn not in TREE_ATTENTION:
         return f"a prefix tree needs a custom attention mask, which {attn!r} takes none of"
-    layer_types = set(getattr(config, "layer_types", None) or ()) - _FULL_ATTENTION
-    if layer_types:
-        return f"a prefix tree's mask would replace the window of the model's {', '.join(sorted(layer_types))} layers"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "a prefix tree's mask would replace the model's sliding window"
+    windows = tree_windows(config, model)
+    if isinstance(windows, str):
+        return windows
+    if windows is None or windows == {"full_attention": None}:
+        return None
+    if attn == "flex_attention":
+        return "a prefix tree's BlockMask is built without a sliding window here; flex attention takes full layers"
+    if isinstance(windows, dict) and not takes_mask_mapping(model):
+        name = type(model).__name__ if model is not None else "the model"
+        return (f"a prefix tree needs one mask per layer kind ({', '.join(sorted(windows))}), which {name}'s forward "
+                "does not take as a mapping")
     return None
+
+
+def tree_windows(config: object, model: nn.Module | None = None) -> dict[str, int | None] | int | None | str:
+    """The windows the tree's masks need: ``None`` (full attention everywhere), an int (every layer slides by it:
+    one mask), a mapping from layer kind to its window (None: full), or one line saying why none fits. A config
+    with a ``sliding_window`` and no ``layer_types`` slides only if its ``model`` builds a sliding-window mask
+    (Mistral does, Llama ignores the setting), read in the model's source."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kinds = set(layer_types)
+        if kinds - _TREE_LAYERS:
+            return (f"a prefix tree's mask would replace the window of the model's "
+                    f"{', '.join(sorted(kinds - _TREE_LAYERS))} layers")
+        if "sliding_attention" not in kinds:
+            return None
+        if not isinstance(window, int) or window < 1:
+            return f"the model has sliding_attention layers but its sliding_window is {window!r}"
+        return {kind: (window if kind == "sliding_attention" else None) for kind in kinds}
+    if window and getattr(config, "use_sliding_window", True):
+        if model is None:
+            return "a prefix tree's mask would replace the model's sliding window"
+        return int(window) if _source_mentions(model, "create_sliding_window_causal_mask") else None
+    return None
+
+
+def _source_mentions(model: nn.Module, text: str) -> bool:
+    """Whether the forward of ``model``'s first modules (the causal LM and its decoder) mentions ``text``."""
+    import inspect
+
+    for module in list(model.modules())[:4]:
+        try:
+            if text in inspect.getsource(type(module).forward):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def takes_mask_mapping(model: nn.Module | None) -> bool:
+    """Whether ``model``'s decoder takes ``attention_mask`` as a mapping from layer kind to mask (transformers
+    5.24: ``if not isinstance(causal_mask_mapping := attention_mask, dict)``), read in its modules' source."""
+    return model is not None and _source_mentions(model, "attention_mask, dict)")
 
 
 def tree_layout(mb: MicroBatch) -> TreeLayout:
@@ -133,10 +189,12 @@ def tree_layout(mb: MicroBatch) -> TreeLayout:
     return TreeLayout(as_long(tokens)[None], as_long(depth)[None], as_long(end), as_long(keep), as_long(targets))
 
 
-def model_attention_mask(attn: str, dtype: torch.dtype, subtree_end: torch.Tensor, dense: bool = False) -> object:
+def model_attention_mask(attn: str, dtype: torch.dtype, subtree_end: torch.Tensor, dense: bool = False,
+                         depth: torch.Tensor | None = None, window: int | None = None) -> object:
     """The tree's mask in the form the attention implementation ``attn`` takes: for sdpa the blocks of
     :mod:`lit_grpo.core.tree_attention` (``dense``: a boolean ``[1, 1, T, T]``, the reference), for eager an additive
-    dense mask in ``dtype``, the hidden states', for flex attention a ``BlockMask``."""
+    dense mask in ``dtype``, the hidden states', for flex attention a ``BlockMask``; ``window``: a sliding window
+    over the nodes' ``depth``."""
     if attn == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -146,8 +204,8 @@ def model_attention_mask(attn: str, dtype: torch.dtype, subtree_end: torch.Tenso
         size = subtree_end.numel()
         return create_block_mask(ancestor_or_self, 1, None, size, size, device=subtree_end.device)
     if attn == "sdpa" and not dense:
-        return tree_block_mask(subtree_end)
-    allowed = tree_attention_mask(subtree_end)[None, None]
+        return tree_block_mask(subtree_end, depth=depth, window=window)
+    allowed = tree_attention_mask(subtree_end, depth, window)[None, None]
     if attn == "eager":
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
                                                                                            torch.finfo(dtype).min)
@@ -159,7 +217,16 @@ def tree_forward(model: nn.Module, attn: str, layout: TreeLayout, dense: bool = 
     the lm head runs (``logits_to_keep``, and ``output_hidden_states`` for the chunked head of
     :mod:`lit_grpo.core.chunked_head`); ``dense``: sdpa over the dense mask (the reference) instead of the blocks.
     No cache: the mask is the only thing keeping branches apart."""
-    mask = model_attention_mask(attn, model.get_input_embeddings().weight.dtype, layout.subtree_end, dense)
+    from lit_grpo.core.chunked_head import unwrapped_model
+
+    dtype, depth = model.get_input_embeddings().weight.dtype, layout.position_ids[0]
+    windows = tree_windows(unwrapped_model(model).config, unwrapped_model(model))
+    if isinstance(windows, dict):  # one mask per layer kind, as the decoder's own mapping holds them
+        mask = {kind: model_attention_mask(attn, dtype, layout.subtree_end, dense, depth, window)
+                for kind, window in windows.items()}
+    else:
+        mask = model_attention_mask(attn, dtype, layout.subtree_end, dense, depth,
+                                    windows if isinstance(windows, int) else None)
     return model(
         input_ids=layout.input_ids,
         attention_mask=mask,

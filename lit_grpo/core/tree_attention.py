@@ -52,8 +52,10 @@ class QueryBlock:
     mask: torch.Tensor  # [1, 1, Lq, Lk] bool
 
 
-def query_blocks(subtree_end: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[QueryBlock, ...]:
-    """The blocks of a pre-order tree given ``subtree_end`` (``[T]``, one past each node's last descendant)."""
+def query_blocks(subtree_end: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, depth: torch.Tensor | None = None,
+                 window: int | None = None) -> tuple[QueryBlock, ...]:
+    """The blocks of a pre-order tree given ``subtree_end`` (``[T]``, one past each node's last descendant); with a
+    sliding ``window`` (and each node's ``depth``) a block keeps only the ancestors some query of it still sees."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     size = subtree_end.numel()
@@ -62,22 +64,31 @@ def query_blocks(subtree_end: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
     for start in range(0, size, block_size):
         end = min(start + block_size, size)
         ancestors = nodes[:start][subtree_end[:start] > start]
+        if window is not None:  # the shallowest query of the block sees back to depth - window + 1
+            ancestors = ancestors[depth[ancestors] > int(depth[start:end].min()) - window]
         keys = torch.cat([ancestors, nodes[start:end]])
-        blocks.append(QueryBlock(start, end, keys, may_attend(nodes[start:end], keys, subtree_end)[None, None]))
+        rule = may_attend(nodes[start:end], keys, subtree_end, depth, window)
+        blocks.append(QueryBlock(start, end, keys, rule[None, None]))
     return tuple(blocks)
 
 
-def may_attend(queries: torch.Tensor, keys: torch.Tensor, subtree_end: torch.Tensor) -> torch.Tensor:
+def may_attend(queries: torch.Tensor, keys: torch.Tensor, subtree_end: torch.Tensor, depth: torch.Tensor | None = None,
+               window: int | None = None) -> torch.Tensor:
     """``[len(queries), len(keys)]`` booleans, True where node ``q`` may attend node ``k`` of a pre-order tree:
-    ``k <= q < subtree_end[k]``, i.e. ``k`` is ``q`` or one of its ancestors."""
-    return (keys[None, :] <= queries[:, None]) & (queries[:, None] < subtree_end[keys][None, :])
+    ``k <= q < subtree_end[k]``, i.e. ``k`` is ``q`` or one of its ancestors; with a sliding ``window`` also
+    ``depth[q] - depth[k] < window`` (transformers' ``sliding_window_overlay``, on the tree's positions)."""
+    allowed = (keys[None, :] <= queries[:, None]) & (queries[:, None] < subtree_end[keys][None, :])
+    if window is not None:
+        allowed &= depth[queries][:, None] - depth[keys][None, :] < window
+    return allowed
 
 
-def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
+def tree_attention_mask(subtree_end: torch.Tensor, depth: torch.Tensor | None = None,
+                        window: int | None = None) -> torch.Tensor:
     """The dense ``[T, T]`` rule (:func:`may_attend` over every pair): the reference the blocks are tested against,
     and the mask of the attention implementations that take one whole (eager, flex attention)."""
     nodes = torch.arange(subtree_end.numel(), device=subtree_end.device)
-    return may_attend(nodes, nodes, subtree_end)
+    return may_attend(nodes, nodes, subtree_end, depth, window)
 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
@@ -198,6 +209,12 @@ class TreeBlockMask(torch.Tensor):
 
     blocks: tuple[QueryBlock, ...]
     subtree_end: torch.Tensor
+    depth: torch.Tensor | None
+    window: int | None
+
+    def dense(self) -> torch.Tensor:
+        """The same rule as a dense ``[1, 1, T, T]`` boolean mask."""
+        return tree_attention_mask(self.subtree_end, self.depth, self.window)[None, None]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206 - torch's protocol
@@ -208,7 +225,7 @@ class TreeBlockMask(torch.Tensor):
             return super().__torch_function__(func, types, args, kwargs)
         warnings.warn(f"the prefix tree's block attention met {getattr(func, '__name__', func)!r} on its mask, which "
                       "this model's attention applies itself; it falls back to the dense T x T mask", stacklevel=2)
-        densify = lambda a: tree_attention_mask(a.subtree_end)[None, None] if isinstance(a, TreeBlockMask) else a  # noqa: E731
+        densify = lambda a: a.dense() if isinstance(a, TreeBlockMask) else a  # noqa: E731
         return func(*[densify(a) for a in args], **{k: densify(v) for k, v in kwargs.items()})
 
 
@@ -220,18 +237,19 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
     if is_causal:
         raise ValueError("a prefix tree's mask is its own causal rule; sdpa was called with is_causal=True too")
     if dropout_p > 0.0:
-        dense = tree_attention_mask(attn_mask.subtree_end)[None, None]
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=dense, dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask.dense(), dropout_p=dropout_p,
+                                              scale=scale, enable_gqa=enable_gqa)
     return block_attention(query, key, value, attn_mask.blocks, scale, enable_gqa)
 
 
-def tree_block_mask(subtree_end: torch.Tensor, block_size: int | None = None) -> TreeBlockMask:
+def tree_block_mask(subtree_end: torch.Tensor, block_size: int | None = None, depth: torch.Tensor | None = None,
+                    window: int | None = None) -> TreeBlockMask:
     """The mask to pass a model whose attention is sdpa, in place of the dense ``[1, 1, T, T]`` one, in blocks of
-    ``block_size`` queries (None: :data:`DEFAULT_BLOCK_SIZE`, read at the call)."""
+    ``block_size`` queries (None: :data:`DEFAULT_BLOCK_SIZE`, read at the call); ``window``: a sliding window over
+    the nodes' ``depth``."""
     size = subtree_end.numel()
     mask = torch.ones((), dtype=torch.bool, device=subtree_end.device).expand(1, 1, size, size)
     mask = mask.as_subclass(TreeBlockMask)
-    mask.blocks = query_blocks(subtree_end, block_size or DEFAULT_BLOCK_SIZE)
-    mask.subtree_end = subtree_end
+    mask.blocks = query_blocks(subtree_end, block_size or DEFAULT_BLOCK_SIZE, depth, window)
+    mask.subtree_end, mask.depth, mask.window = subtree_end, depth, window
     return mask

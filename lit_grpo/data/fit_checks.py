@@ -127,7 +127,7 @@ def packing_without_budget(module: Any, micro_batch_tokens: int | None, micro_ba
     """The warning for ``model.packing`` without ``data.micro_batch_tokens``, or ``None``. Without a budget a packed
     row is ``micro_batch_size`` whole sequences, and where its attention is masked densely it costs the square of
     the row's length (the demo's update on a CPU, in the copies layout: 20x slower than unpacked): eager attention,
-    and sdpa in the copies layout (models with sliding-window layers). sdpa's prefix tree attends in blocks
+    and sdpa in the copies layout (models with chunked-attention layers). sdpa's prefix tree attends in blocks
     (:mod:`lit_grpo.core.tree_attention`), and flash and flex attention skip what the sequences do not attend to,
     so they are not warned about."""
     if module_setting(module, "packing") is not True or micro_batch_tokens is not None:
