@@ -151,6 +151,17 @@ def test_another_op_on_the_mask_falls_back_to_the_dense_mask_with_a_warning() ->
     assert torch.equal(sliced, tree_attention_mask(end)[None, None, :, :5])
 
 
+def test_a_move_to_where_the_mask_is_keeps_the_blocks(recwarn) -> None:  # noqa: ANN001
+    """DDP moves its inputs to the device: a no-op move answers with the mask itself, blocks and all, no warning."""
+    mask = tree_block_mask(tree_end(), 4)
+    for moved in (mask.to("cpu"), mask.to(mask.device), mask.contiguous(), mask.detach(), mask.cpu()):
+        assert moved is mask
+    assert not [w for w in recwarn if "falls back" in str(w.message)]
+    with pytest.warns(UserWarning, match="falls back to the dense T x T mask"):
+        as_float = mask.to(torch.float32)  # a real change of dtype: the dense rule, converted
+    assert as_float.dtype == torch.float32 and type(as_float) is torch.Tensor
+
+
 def test_attention_dropout_takes_the_dense_mask() -> None:
     """Dropout's recompute would need the forward's random state replayed: it runs the dense mask instead."""
     end = tree_end()

@@ -202,6 +202,8 @@ def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 #: metadata a mask is asked for on its way down (shape checks, device moves to where it already is)
 _PASSTHROUGH = {"__get__", "dim", "size", "__len__", "is_floating_point", "numel"}
+#: copies that change nothing when they stay on the mask's device: answered with the mask itself
+_MOVES = {"to", "cuda", "cpu", "contiguous", "detach"}
 
 
 class TreeBlockMask(torch.Tensor):
@@ -221,8 +223,14 @@ class TreeBlockMask(torch.Tensor):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return _sdpa(*args, **kwargs)
-        if getattr(func, "__name__", None) in _PASSTHROUGH:
+        name = getattr(func, "__name__", None)
+        if name in _PASSTHROUGH:
             return super().__torch_function__(func, types, args, kwargs)
+        if name in _MOVES and args and isinstance(args[0], TreeBlockMask):
+            # a wrapper moving its inputs (DDP's ``_to_kwargs``) to where the mask already is: the mask itself
+            moved = super().__torch_function__(func, types, args, kwargs)
+            if moved.device == args[0].device and moved.dtype == torch.bool:
+                return args[0]
         warnings.warn(f"the prefix tree's block attention met {getattr(func, '__name__', func)!r} on its mask, which "
                       "this model's attention applies itself; it falls back to the dense T x T mask", stacklevel=2)
         densify = lambda a: a.dense() if isinstance(a, TreeBlockMask) else a  # noqa: E731
