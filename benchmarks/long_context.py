@@ -17,6 +17,8 @@ The sides, each in its own process (``uneven_lengths.py`` runs them one after th
 * ``ours``: padded micro-batches of at most ``--tokens`` tokens (``data.micro_batch_tokens``), the chunked head at
   its default budget (``model.head_chunk_mb`` 256);
 * ``ours-tree``: ``model.packing`` with the same budget: each micro-batch one prefix tree, attending in blocks;
+* ``ours-tree-ckpt``: ``ours-tree`` with ``model.gradient_checkpointing: true`` (one layer's activations at a time in
+  the backward, for one more forward); not in the default set;
 * ``ours-full-logits``: ``ours`` with ``model.head_chunk_mb: null``, the head's full logits (before the chunked head);
 * ``trl``: TRL 1.16's ``GRPOTrainer`` on the same replayed rows in float32 (``bf16=False, fp16=False``; precision
   recorded), ``--trl-micro-batch-size`` rows per forward, no gradient checkpointing, no vLLM, no Liger kernels
@@ -24,7 +26,8 @@ The sides, each in its own process (``uneven_lengths.py`` runs them one after th
 
 Measured per side: peak RSS, update and generation seconds, update tokens per second (the batch's real tokens),
 and the update's share of the physical limit (its model FLOPs at the measured fp32 matmul rate). Writes
-``long_context.json`` (every cell's report) and prints the table docs/speed.md holds.
+``long_context.json`` (every cell's report; a later run's sides join the cells already there) and prints the table
+docs/speed.md holds.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ sys.path.insert(0, str(REPO_ROOT))
 
 OUTPUT_DIR = REPO_ROOT / "benchmarks" / "results" / "long_context"
 MODELS = ("smollm2", "qwen05")
-SIDES = ("ours", "ours-tree", "ours-full-logits", "trl")
+SIDES = ("ours", "ours-tree", "ours-tree-ckpt", "ours-full-logits", "trl")
+#: the sides run in an ``uneven_lengths.py`` invocation of their own: (its side, the ``--ours-args`` they add)
+OWN_RUN = {"ours-full-logits": ("ours", ["model.head_chunk_mb=null"]),
+           "ours-tree-ckpt": ("ours-tree", ["model.gradient_checkpointing=true"])}
 
 
 def cell_argv(args: argparse.Namespace, model: str, budget: int, sides: list[str], ours_args: list[str],
@@ -67,8 +73,8 @@ def qwen_model() -> Path:
 
 
 def run_cell(args: argparse.Namespace, model: str, budget: int) -> dict:
-    """Every side of one cell: the chunked-head sides in one ``uneven_lengths.py`` run, the full-logits side in a
-    second (its ``--ours-args`` differ); their reports, side by side."""
+    """Every side of one cell: the plain sides in one ``uneven_lengths.py`` run, each of :data:`OWN_RUN` in one of
+    its own (its ``--ours-args`` differ); their reports, side by side."""
     from benchmarks import uneven_lengths
 
     out = args.output_dir / f"{model}-{budget}"
@@ -78,11 +84,14 @@ def run_cell(args: argparse.Namespace, model: str, budget: int) -> dict:
         uneven_lengths.main(cell_argv(args, model, budget, chunked, [], out / "chunked"))
         report = json.loads((out / "chunked" / "uneven_lengths.json").read_text())
         runs.update(next(iter(report["runs"].values())))
-    if "ours-full-logits" in args.sides:
-        uneven_lengths.main(cell_argv(args, model, budget, ["ours"], ["model.head_chunk_mb=null"], out / "full"))
-        full = json.loads((out / "full" / "uneven_lengths.json").read_text())
-        runs["ours-full-logits"] = next(iter(full["runs"].values()))["ours"]
-        report = report if chunked else full
+    for side, (runs_as, ours_args) in OWN_RUN.items():
+        if side not in args.sides:
+            continue
+        folder = out / ("full" if side == "ours-full-logits" else side)
+        uneven_lengths.main(cell_argv(args, model, budget, [runs_as], ours_args, folder))
+        own = json.loads((folder / "uneven_lengths.json").read_text())
+        runs[side] = next(iter(own["runs"].values()))[runs_as]
+        report = report if chunked else own
     return {"runs": runs, "matmul_fp32_flops_per_s": report["matmul_fp32_flops_per_s"],
             "versions": report["versions"], "same_lengths": report["same_lengths"]}
 
@@ -113,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--budgets", nargs="+", type=int, default=[1024, 2048, 4096], help="max new tokens")
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=[s for s in SIDES if s != "ours-tree-ckpt"])
     parser.add_argument("--prompts", type=int, default=1, help="prompts per step")
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
     parser.add_argument("--steps", type=int, default=1, help="measured steps (no warm-up)")
@@ -125,14 +134,19 @@ def main(argv: list[str] | None = None) -> None:
     for budget in args.budgets:
         if budget < 16:
             parser.error(f"--budgets: each budget must be at least 16 tokens, got {budget}")
-    cells = {}
+    out = args.output_dir / "long_context.json"
+    # sides run later (--sides ours-tree-ckpt) join the cells already measured: one file, one table
+    saved = json.loads(out.read_text()) if out.is_file() else {"runs_config": [], "cells": {}}
+    saved["runs_config"] = saved.get("runs_config", []) + [
+        {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}]
+    cells = saved["cells"]
     for model in args.models:
         for budget in args.budgets:
-            cells[f"{model}-{budget}"] = run_cell(args, model, budget)
+            cell = run_cell(args, model, budget)
+            key = f"{model}-{budget}"
+            cells[key] = {**cell, "runs": {**cells.get(key, {}).get("runs", {}), **cell["runs"]}}
             args.output_dir.mkdir(parents=True, exist_ok=True)
-            (args.output_dir / "long_context.json").write_text(json.dumps(
-                {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                 "cells": cells}, indent=1) + "\n")
+            out.write_text(json.dumps(saved, indent=1) + "\n")
     print(table(cells))
 
 

@@ -61,8 +61,10 @@ def test_dppo_tv_value_gradient_and_stats():
 
 def test_dppo_kl_value_gradient_and_stats():
     # KL(alpha || pi) per token: 0.1676, 0.0541 and 0.3237 beyond 0.05 in the advantage's direction: dropped
+    # float32 inputs: the KL is a difference of logs (cancellation), so a few float32 ulps of the inputs show as
+    # 1.5e-6 relative on one CPU (Intel, AVX-512) and below 1e-6 on another; a wrong formula is off by far more
     assert bernoulli_kl(torch.tensor(math.log(0.6)), torch.tensor(math.log(0.75))) == pytest.approx(
-        0.6 * math.log(0.6 / 0.75) + 0.4 * math.log(0.4 / 0.25), rel=1e-6)
+        0.6 * math.log(0.6 / 0.75) + 0.4 * math.log(0.4 / 0.25), rel=1e-5)
     keep = [[0, 0, 1], [0, 1, 1]]
     value, grad, stats = run(dppo_kl_loss, DPPOKLOptions())
     want_value, want_grad = expected(keep)

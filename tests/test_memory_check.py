@@ -69,6 +69,11 @@ def test_the_refusal_names_the_bound_the_need_and_the_options() -> None:
     assert f"data.micro_batch_tokens to at most about {fits}" in line and "model.gradient_checkpointing: true" in line
     assert memory.need(fits) <= 0.6 * 2**30 < memory.need(fits + 1)
     assert micro_batch_bound(4096, 16, 1024) == (4096, "data.micro_batch_tokens=4096")
+    # a step of 4 completions cannot form a micro-batch past 4 x 512 tokens, whatever the budget or micro-batch size
+    assert micro_batch_bound(4096, 16, 512, rows_per_step=4) == (2048, "a step's completions=4 x "
+                                                                       "data.max_new_tokens=512, prompts not counted")
+    assert micro_batch_bound(None, 16, 512, rows_per_step=4)[0] == 2048
+    assert micro_batch_bound(1024, 16, 512, rows_per_step=4) == (1024, "data.micro_batch_tokens=1024")
 
 
 def test_a_fit_that_cannot_hold_its_micro_batch_stops_before_any_rollout(tmp_path, monkeypatch) -> None:  # noqa: ANN001

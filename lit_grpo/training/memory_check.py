@@ -168,13 +168,17 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.0f} MiB"
 
 
-def micro_batch_bound(micro_batch_tokens: int | None, micro_batch_size: int, max_new_tokens: int) -> tuple[int, str]:
-    """A lower bound of the largest micro-batch's tokens, and where it comes from."""
-    if micro_batch_tokens is not None:
+def micro_batch_bound(micro_batch_tokens: int | None, micro_batch_size: int, max_new_tokens: int,
+                      rows_per_step: int | None = None) -> tuple[int, str]:
+    """A lower bound of the largest micro-batch's tokens a fit can form, and where it comes from: the budget
+    ``data.micro_batch_tokens``, or ``micro_batch_size`` completions of ``max_new_tokens``, but never more than a
+    step's ``rows_per_step`` completions of ``max_new_tokens`` hold (the prompts not counted)."""
+    step = None if rows_per_step is None else rows_per_step * max_new_tokens
+    if micro_batch_tokens is not None and (step is None or micro_batch_tokens <= step):
         return micro_batch_tokens, f"data.micro_batch_tokens={micro_batch_tokens}"
-    tokens = micro_batch_size * max_new_tokens
-    return tokens, (f"data.micro_batch_size={micro_batch_size} x data.max_new_tokens={max_new_tokens}, "
-                    "prompts not counted")
+    rows = micro_batch_size if rows_per_step is None else min(micro_batch_size, rows_per_step)
+    what = "data.micro_batch_size" if rows == micro_batch_size else "a step's completions"
+    return rows * max_new_tokens, (f"{what}={rows} x data.max_new_tokens={max_new_tokens}, prompts not counted")
 
 
 def check_update_memory(module: object, trainer: object) -> None:
@@ -187,8 +191,9 @@ def check_update_memory(module: object, trainer: object) -> None:
     sampling = getattr(data, "sampling", None)
     if getattr(trainer, "world_size", 1) != 1 or sampling is None or is_sharded(module.policy):
         return
+    rows = getattr(data, "prompts_per_step", None), getattr(data, "num_generations", None)
     tokens, where = micro_batch_bound(getattr(data, "micro_batch_tokens", None), data.micro_batch_size,
-                                      sampling.max_new_tokens)
+                                      sampling.max_new_tokens, rows[0] * rows[1] if None not in rows else None)
     device = next(module.policy.parameters()).device
     available = available_bytes(device)
     if available is None:
