@@ -282,10 +282,15 @@ def capability_for(key: str | None, warm_start: str = "arith") -> str | None:
     return made if made in runnable(native) else None
 
 
-def native_blocker(cell: Cell, native: str, machine: str | None = None) -> str | None:
+#: the CPU every committed native cell (the demo's seeds, the miniature's, the corrections study's) was run on
+NATIVE_CELLS_RECORDED_ON = "AMD EPYC"
+
+
+def native_blocker(cell: Cell, native: str, machine: str | None = None, cpu: str | None = None) -> str | None:
     """Why this environment cannot re-run ``cell``, the cell of a committed result, in words for its ``skipped``
     line; ``None`` when it can. ``native`` is the instruction set torch dispatches to here (the CPU's widest, or
-    the narrower one ``ATEN_CPU_CAPABILITY`` asks for), ``machine`` the CPU's architecture."""
+    the narrower one ``ATEN_CPU_CAPABILITY`` asks for), ``machine`` the CPU's architecture, ``cpu`` its model name
+    (None: the vendor is not checked)."""
     if cell.warm_start_key is None:
         return None
     import torch
@@ -306,7 +311,7 @@ def native_blocker(cell: Cell, native: str, machine: str | None = None) -> str |
     if cell.extra.get("server") and made != native:
         return (f"its rows sample from a rollout server, which this command starts at the instruction set torch "
                 f"dispatches to ({native}) only; the result was made under {made}")
-    return None
+    return reference.other_vendor(NATIVE_CELLS_RECORDED_ON, cpu)
 
 
 def fit_command(cell: Cell, folder: Path) -> list[str]:
@@ -405,7 +410,8 @@ def reference_blocker(name: str, record: dict | None) -> tuple[str, str] | None:
     if reference.points_digest(prefix_points(cell.expected, cell.steps, cell.evaluations)) != record["result_digest"]:
         return "stale", ("its AVX2 reference was recorded beside an earlier version of the result (the committed "
                          f"cell's points changed since); re-record it: --record-avx2-reference {name}")
-    blocked = reference.replay_blocker(record, native_capability(), platform.machine(), reference.versions())
+    blocked = reference.replay_blocker(record, native_capability(), platform.machine(), reference.versions(),
+                                       reference.cpu_name())
     if blocked:
         return "skipped", blocked
     changed = reference.recipe_changed(record)

@@ -162,6 +162,7 @@ def test_a_machine_that_cannot_replay_a_reference_says_why():
 def test_a_reference_recorded_beside_an_earlier_result_or_another_recipe_is_stale(monkeypatch, tmp_path):
     record = reference.load("fig2_miniature")
     monkeypatch.setattr(reproduce, "native_capability", lambda: "AVX2")
+    monkeypatch.setattr(reference, "cpu_name", lambda: "AMD EPYC 7B13")  # the recording vendor's CPU
     monkeypatch.setattr(reproduce, "run_cell", lambda *args, **kwargs: pytest.fail("nothing may run"))
     assert reproduce.reference_blocker("fig2_miniature", record) is None
     earlier = {**record, "result_digest": "0" * 16}
@@ -207,7 +208,7 @@ def test_the_demos_committed_seed_0_reproduces_over_its_first_50_steps(tmp_path)
     1e-6. Skipped, with the reason, where this machine cannot run the committed cell (an AVX2 CPU: the AVX2
     reference test below runs there)."""
     cell = reproduce.demo_cell(steps=50, seed=0)
-    blocked = reproduce.native_blocker(cell, reproduce.native_capability())
+    blocked = reproduce.native_blocker(cell, reproduce.native_capability(), cpu=reference.cpu_name())
     if blocked:
         pytest.skip(f"the committed demo cell: {blocked}")
     measured = reproduce.run_cell(cell, tmp_path / "demo", reproduce.capability_for(cell.warm_start_key))
@@ -222,7 +223,8 @@ def test_the_miniatures_avx2_reference_cell_replays_on_any_x86_64_cpu(tmp_path):
     """The REC suite's v1-i1 seed 0, 20 steps, under AVX2 from the committed warm start (``avx2_reference``): its
     train reward, TV, KL and clip fractions at every step and held-out Pass@1 at steps 0 and 20 equal the committed
     reference to 1e-6, on an AVX-512 CPU as on an AVX2 one. Skipped, with the reason, only off x86-64, without
-    AVX2, or with another torch or transformers than the reference's."""
+    AVX2, with another torch or transformers than the reference's, or on another vendor's CPU than the recording
+    one (an AMD-recorded reference drifts on an Intel CPU: ``avx2_reference.other_vendor``)."""
     name = "fig2_miniature"
     record = reference.load(name)
     blocked = reproduce.reference_blocker(name, record)
@@ -235,3 +237,17 @@ def test_the_miniatures_avx2_reference_cell_replays_on_any_x86_64_cpu(tmp_path):
     assert sorted(expected["pass@1"]) == [0, 20] and len(expected["reward"]) == 20
     difference, where = reproduce.max_abs_difference(expected, measured)
     assert difference <= reproduce.TOLERANCE, f"the AVX2 reference of {name} differs at {where}"
+
+
+def test_a_result_is_compared_on_the_recording_vendors_cpus_only():
+    """An AMD-recorded curve drifts on an Intel CPU (measured: the demo from step 40, the AVX2 miniature from step
+    13): the skip names both CPUs; the same vendor, or an unknown one, is compared."""
+    line = reference.other_vendor("AMD EPYC", "Intel(R) Xeon(R) Processor")
+    assert "recorded on an AMD EPYC" in line and "Intel(R) Xeon(R) Processor" in line and "AMD CPUs only" in line
+    assert reference.other_vendor("AMD EPYC", "AMD EPYC 9B14") is None
+    assert reference.other_vendor("AMD EPYC", "Some Other CPU") is None
+    assert reference.other_vendor("AMD EPYC", None) is None
+    record = {"torch": "1", "transformers": "2", "recorded_on": "AMD EPYC (AVX512 here, AVX2 dispatched)"}
+    here = {"torch": "1", "transformers": "2"}
+    assert "another vendor's" in reference.replay_blocker(record, "AVX2", "x86_64", here, "Intel(R) Xeon(R)")
+    assert reference.replay_blocker(record, "AVX2", "x86_64", here, "AMD EPYC 7B13") is None

@@ -10,14 +10,15 @@ vocabulary-sized row per token of the lm head's chunk (the logits; the full logi
 optimizer's state, which from the second step on is alive through every forward. The weights' gradients and the
 backward's transients come on top (measured on SmolLM2-135M's shape at 2,048 tokens: the bound is 84 % of the
 peak without activation checkpointing, 34 % under it, where the forward keeps only the layers' inputs),
-so the check refuses only a fit that cannot run, never one that might.
+so the check never refuses a micro-batch that would fit.
 
 The probes cost two forwards and backwards under a Python dispatch mode (seconds on a CPU for a 135M model), so
 they run only when a generous bound computed from the config (:func:`rough_upper_bound`) does not already fit.
 
-The tokens are a lower bound of the largest micro-batch: ``data.micro_batch_tokens`` when set, else
-``micro_batch_size x max_new_tokens`` (the prompts not counted), so the check refuses only a fit that cannot fit,
-and never one that might. Not checked: sharded or multi-process fits (a probe there would run collectives),
+The micro-batch checked is the largest the configuration allows (the prompts not counted): ``data.micro_batch_tokens``
+when set, else ``micro_batch_size`` completions of ``max_new_tokens``, within a step's completions. A fit whose
+completions happen to stay short could run where that one cannot; it is refused all the same, as the first long
+batch would kill it. Not checked: sharded or multi-process fits (a probe there would run collectives),
 and generation's own memory (the KV cache of the in-process engine).
 """
 
