@@ -110,7 +110,9 @@ class WeightSync(Callback):
             return
         self.in_flight = [w for w in self.in_flight if w[0] > self.batches_seen]
         _, step, weights = due[-1]
-        engine_of(trainer, pl_module, self.engine).load_weights(iter(weights.items()), step=step)
+        engine = engine_of(trainer, pl_module, self.engine)
+        engine.load_weights(iter(weights.items()), step=step)
+        self.push_reference_if_stale(engine, pl_module)  # a server that rejoined in this push (see ``push``)
         self.last_sync_step = step
 
     def measured_tv(self, trainer: L.Trainer) -> float | None:
@@ -166,6 +168,9 @@ class WeightSync(Callback):
             return
         engine.load_weights(self.full_weights(pl_module), step=step)
         self.last_push_bytes = parameter_bytes(policy)
+        # a server that rejoined in this push holds its own start-up pi_ref: it gets the current one now, before
+        # its first batch is scored (the engine's label is None until every server reached holds it)
+        self.push_reference_if_stale(engine, pl_module)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -152,6 +152,16 @@ class EngineVsPolicy(MetricsRecorder):
         self.steps.append({"global_step": trainer.global_step, "synced_step": engine.synced_step, "same": same})
 
 
+class CheckCounter(MetricsRecorder):
+    """Every step's logged metrics and how many sampler checks (``lit_grpo.data.sampler_check``) ran so far: a
+    logged gap stays in ``callback_metrics`` after its step, so the count says when a check ran."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        check = getattr(trainer.datamodule, "sampler_check", None)
+        self.steps[-1]["sampler_checks"] = float(check.checks) if check is not None else 0.0
+
+
 class KillServer(MetricsRecorder):
     """Rank 0 kills the rollout server (SIGKILL, process id ``pid``) at the end of batch ``after_batch``: the
     server dies mid-run, between two rollout batches."""
@@ -204,7 +214,7 @@ def wait_until_serving(url: str, timeout_s: float = 240.0) -> None:
 def run_job(job: dict, workdir: str) -> dict:
     torch.set_num_threads(1)
     world = int(job.get("world", 1))
-    recorder = MetricsRecorder()
+    recorder = CheckCounter()
     pushed = PushedVersions()
     callbacks = [WeightSync(every_n_batches=job.get("v", 1), max_tv=job.get("max_tv")), pushed]
     if job.get("swap_every"):  # after WeightSync, or before it with swap_first (the new pi_ref is pushed at once)
@@ -255,6 +265,7 @@ def run_job(job: dict, workdir: str) -> dict:
         torch.save(full, job["weights_out"])
     return {
         "steps": [{k: s[k] for k in KEYS if k in s} for s in recorder.steps],
+        "sampler_checks": [s["sampler_checks"] for s in recorder.steps],
         "drawn": getattr(data, "drawn", []),
         "versions": getattr(data, "versions", []),
         "spans": getattr(data, "spans", []),

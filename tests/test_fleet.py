@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 from distributed_launch import assert_same_steps, free_port, launch, launch_to_the_end
 from server_process import ServerProcess
 
@@ -43,17 +44,21 @@ def restart_when_dead(server: ServerProcess, delay_s: float, out: dict) -> threa
 
 @pytest.mark.slow  # real server and trainer processes
 def test_a_killed_and_restarted_server_costs_retries_and_the_fit_trains_as_the_clean_run(tmp_path):
+    """With pi_ref scored on the servers (``data.reference_on_server``; the chaos test below scores it on the
+    trainer): the restarted server gets the current pi_ref right after the push that brings it back, so every
+    batch's pi_ref is still the servers', and the sampler check takes the first batch after that push again."""
     token = "f" * 32
     servers = [ServerProcess(tmp_path / f"server{i}", port=free_port(), token=token) for i in range(2)]
     restarted: dict = {}
+    job = dict(JOB, data=dict(JOB["data"], reference_on_server=True))
     try:
         for server in servers:
             server.wait_ready()
-        clean = launch([dict(JOB, server=fleet_options(servers))], world=2, workdir=tmp_path / "clean",
+        clean = launch([dict(job, server=fleet_options(servers))], world=2, workdir=tmp_path / "clean",
                        timeout_s=600)
         watcher = restart_when_dead(servers[1], 0.5, restarted)
         # killed after step 2, back (waited for) after step 8: the push of step 9 brings it in
-        survived = launch([dict(JOB, server=fleet_options(servers),
+        survived = launch([dict(job, server=fleet_options(servers),
                                 kill_server=dict(pid=servers[1].proc.pid, after_batch=2),
                                 wait_for_servers=dict(urls=[servers[1].url], at_step=8))],
                           world=2, workdir=tmp_path / "killed", timeout_s=600)
@@ -73,6 +78,13 @@ def test_a_killed_and_restarted_server_costs_retries_and_the_fit_trains_as_the_c
         # one server up after the kill, both again once the restarted one took a push
         up = [s["rollout/servers_up"] for s in steps]
         assert up[0] == 2.0 and 1.0 in up and up[-1] == 2.0, up
+        # the sampler check ran on the first batch of pushed weights, and again on the first after the rejoin
+        checks = survived[rank][0]["sampler_checks"]
+        back = up.index(2.0, up.index(1.0))
+        assert checks == [1.0] * back + [2.0] * (len(steps) - back), (checks, up)
+        assert clean[rank][0]["sampler_checks"] == [1.0] * len(steps)
+        # every batch's pi_ref scored by a server, the rejoined one's included
+        assert all(s["train/reference_served"] == 1.0 for s in steps), [s["train/reference_served"] for s in steps]
 
 
 @pytest.mark.slow
@@ -189,3 +201,44 @@ def test_a_server_that_comes_back_with_other_weights_is_down_until_a_push_reache
     with pytest.warns(UserWarning, match=r"it restarted: it holds weight version '0', not the pushed '7'"):
         assert fleet.on_any(restarted, lambda s: s.answer()) == "http://other"
     assert restarted.calls == 1  # not asked again for work: a fresh server would answer with its own weights
+
+
+class Scorer(Stub):
+    """A server that scores pi_ref: it holds ``reference_version`` and answers each micro-batch with ``value``."""
+
+    def __init__(self, url: str, version: str | None, value: float, failures: int = 0) -> None:
+        super().__init__(url, failures)
+        self.reference_version, self.value, self.client = version, value, self
+
+    def post(self, path: str, body: dict, timeout_s: float) -> dict:
+        self.answer()
+        (mb,) = body["micro_batches"]
+        shape = (len(mb["completion_ids"]), len(mb["completion_ids"][0]))
+        return {"reference_version": body["reference_version"], "logprobs": [torch.full(shape, self.value).tolist()]}
+
+
+def micro_batch(rows: list[int], width: int):  # noqa: ANN201
+    from types import SimpleNamespace
+
+    ids = torch.ones(len(rows), width, dtype=torch.long)
+    return SimpleNamespace(rows=torch.tensor(rows), prompt_ids=ids, prompt_mask=ids, prompt_index=torch.tensor(rows),
+                           completion_ids=ids, completion_mask=ids)
+
+
+def test_pi_ref_is_scored_by_the_first_server_up_that_holds_it_and_a_lost_one_hands_the_batch_on():
+    from lit_grpo.engines.remote.reference_client import ReferenceClient
+
+    stale = Scorer("http://stale", "0", value=-9.0)  # rejoined: its own start-up pi_ref, not the current one
+    lost = Scorer("http://lost", "1", value=-8.0, failures=10**6)
+    holder = Scorer("http://holder", "1", value=-1.5)
+    fleet = Fleet([stale, lost, holder], timeout_s=1.0, delays_s=(0.0,))
+    fleet.probe = lambda server: None  # noqa: ARG005 (no server answers between tries)
+    client = ReferenceClient(fleet, timeout_s=1.0)
+    with pytest.warns(UserWarning, match=r"rollout server http://lost is down"):
+        scores, version = client.score([micro_batch([0, 1], 3), micro_batch([2], 3)], 3, 4, 1.0, None, "1")
+    assert version == "1" and stale.calls == 0 and lost.calls == 2 and holder.calls == 2
+    assert torch.equal(scores[:, :3], torch.full((3, 3), -1.5)) and torch.equal(scores[:, 3], torch.zeros(3))
+    holder.reference_version = "0"
+    with pytest.raises(ServerError, match=r"^no rollout server up holds pi_ref version '1' \(http://stale, "
+                                          r"http://lost, http://holder\)"):
+        client.score([micro_batch([0], 3)], 1, 3, 1.0, None, "1")

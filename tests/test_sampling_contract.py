@@ -13,7 +13,13 @@ import torch
 from polluted_config import SAMPLING_JSON, sampling_fields_of_the_class, write_polluted_generation_config
 from server_process import ServerProcess
 
-from lit_grpo.data.sampler_check import DEFAULT_MAX_GAP, SamplerCheck, SamplerMismatchError, sampler_gap
+from lit_grpo.data.sampler_check import (
+    DEFAULT_MAX_GAP,
+    SamplerCheck,
+    SamplerMismatchError,
+    rejoined_servers,
+    sampler_gap,
+)
 from lit_grpo.engines.base import Completion, SamplingConfig
 from lit_grpo.engines.remote.client import ServerEngine
 from lit_grpo.engines.sampling_fields import vllm_sampling_fields
@@ -211,3 +217,36 @@ def test_bad_check_options_are_one_line(monkeypatch):
     assert RolloutDataModule().sampler_check is None  # the in-process engine is the trainer's own code
     assert RolloutDataModule(engine="server", engine_options={"url": "http://127.0.0.1:1", "token": "t" * 32},
                              sampler_check_max_gap=None).sampler_check is None
+
+
+def test_a_rejoined_server_arms_the_check_again_and_its_completions_are_checked_first(tiny):
+    """A rollout server that rejoined the fleet (restarted, pushed the weights anew) gets the first-push check again:
+    the next call checks, its completions first, and a refusal names it."""
+    from dataclasses import replace
+
+    model, tokenizer, prompts = tiny
+    groups = sampled(model, tokenizer, prompts, 1.0)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    wrong = sampled(other, tokenizer, prompts, 1.0)
+    # the first prompt's completions from the server that was always up, the last prompt's from the rejoined one,
+    # sampled by weights the push never delivered
+    mixed = [[replace(c, server="http://up") for c in groups[0]], [replace(c, server="http://up") for c in groups[1]],
+             [replace(c, server="http://back") for c in wrong[2]]]
+    sampler = SamplerCheck(sequences=2)
+    sampler.rearm(rejoined_servers(object()))  # an engine without a fleet has none
+    assert sampler(model, prompts[:2], mixed[:2], 1.0, torch.device("cpu"), "servers", nullcontext).mean_gap < 1e-5
+    assert sampler.done
+    sampler.rearm([])  # no server rejoined: nothing to check
+    assert sampler.done
+    sampler.rearm(["http://back"])
+    assert not sampler.done
+    with pytest.raises(SamplerMismatchError, match=r"right after the push that brought back http://back its "
+                                                   r"log-probs differ"):
+        sampler(model, prompts, mixed, 1.0, torch.device("cpu"), "servers", nullcontext)
+    # in prompt order (without the rejoin) the two completions checked are the first prompt's, which match
+    assert SamplerCheck(sequences=2)(model, prompts, mixed, 1.0, torch.device("cpu"), "servers",
+                                     nullcontext).mean_gap < 1e-5
+

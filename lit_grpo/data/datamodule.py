@@ -51,7 +51,7 @@ from lit_grpo.data.prompt_order import PromptBatch, PromptLoader, PromptStream, 
 from lit_grpo.data.prompts import DEFAULT_SYSTEM_PROMPT
 from lit_grpo.data.rewards import RewardFn
 from lit_grpo.data.rollout import BatchOrigin, PaddedRollouts, collate_rollouts, pad_rollouts, rollout_seed
-from lit_grpo.data.sampler_check import DEFAULT_MAX_GAP, DEFAULT_SEQUENCES, SamplerCheck
+from lit_grpo.data.sampler_check import DEFAULT_MAX_GAP, DEFAULT_SEQUENCES, SamplerCheck, rejoined_servers
 from lit_grpo.data.server_reference import ServerReference
 from lit_grpo.data.staleness import check_staleness_setup, mixes_versions, staleness_stats, weight_version_of
 from lit_grpo.data.tasks import default_environment, system_prompt_for
@@ -532,6 +532,8 @@ class RolloutDataModule(L.LightningDataModule):
         """The first-push check (``lit_grpo.data.sampler_check``) on the first batch that the engine sampled with
         the policy's current weights (the ranks agree on which batch that is); its gap and cost as statistics."""
         check = self.sampler_check
+        if check is not None:  # a server that rejoined the fleet gets the check of a first push too
+            check.rearm(rejoined_servers(self.rollout_engine))
         if check is None or check.done or not everyone(synced):
             return {}
         module = self.trainer.lightning_module

@@ -12,6 +12,10 @@ weights:
 - a generation config that changes sampling (top-k, penalties, ...) reaching the sampler;
 - a served dtype far coarser than the trainer's.
 
+A rollout server that rejoins a fleet (``lit_grpo.engines.remote.fleet``: restarted, and pushed the weights anew)
+arms the check again: the first batch sampled after that push is checked the same way, its completions from the
+rejoined servers first (``Completion.server``).
+
 The check teacher-forces ``sequences`` completions of that batch on the trainer, in the trainer's precision and
 without dropout, and refuses the run in one line when the mean absolute gap per token exceeds ``max_gap``.
 Measured with SmolLM2-135M on GSM8K prompts (``benchmarks/sampler_gap.py``, docs/vllm.md's table), mean |gap| per
@@ -64,11 +68,12 @@ def teacher_forced_logprobs(model: nn.Module, prompt: list[int], completion: lis
 
 
 def sampler_gap(model: nn.Module, prompts: list[list[int]], groups: list[list[Completion]], temperature: float,
-                sequences: int, device: torch.device) -> tuple[float, int]:
+                sequences: int, device: torch.device, prefer: frozenset[str] = frozenset()) -> tuple[float, int]:
     """Sum of |sampler log-prob - teacher-forced log-prob| over the model's tokens of the first ``sequences``
-    completions (in prompt order), and their number. Every rank runs the same number of forwards, so that a sharded
-    policy's collectives stay in step."""
-    rows = [(prompts[i], c) for i, group in enumerate(groups) for c in group][:sequences]
+    completions (in prompt order, those sampled by a server in ``prefer`` first), and their number. Every rank runs
+    the same number of forwards, so that a sharded policy's collectives stay in step."""
+    rows = [(prompts[i], c) for i, group in enumerate(groups) for c in group]
+    rows = sorted(rows, key=lambda row: row[1].server not in prefer)[:sequences]  # stable: prompt order otherwise
     total, count = 0.0, 0
     for prompt, completion in rows:
         if not completion.token_ids:
@@ -84,10 +89,19 @@ def sampler_gap(model: nn.Module, prompts: list[list[int]], groups: list[list[Co
     return total, count
 
 
-def mismatch_message(gap: float, max_gap: float, engine: str) -> str:
-    """The refusal: the gap, the bound, and the four things to check."""
-    return (f"the rollout engine ({engine}) does not sample what the trainer scores: right after the first weight "
-            f"push its log-probs differ from the trainer's by {gap:.3g} per token on average, more than "
+def rejoined_servers(engine: object) -> list[str]:
+    """The rollout servers that rejoined ``engine``'s fleet since the last call (``ServerEngine.take_rejoined``);
+    none for an engine without a fleet."""
+    take = getattr(engine, "take_rejoined", None)
+    return list(take()) if callable(take) else []
+
+
+def mismatch_message(gap: float, max_gap: float, engine: str, rejoined: list[str] | None = None) -> str:
+    """The refusal: the gap, the bound, and the four things to check; ``rejoined``: the servers whose return armed
+    the check again, named."""
+    push = (f"the push that brought back {', '.join(rejoined)}" if rejoined else "the first weight push")
+    return (f"the rollout engine ({engine}) does not sample what the trainer scores: right after {push} "
+            f"its log-probs differ from the trainer's by {gap:.3g} per token on average, more than "
             f"data.sampler_check_max_gap={max_gap} (a bfloat16 sampler shows about 0.03); check that vllm serve "
             "runs with --logprobs-mode processed_logprobs, that it serves the policy's dtype (--dtype, "
             "engine_options.dtype) and the same model, and that the served "
@@ -106,6 +120,17 @@ class SamplerCheck:
         self.max_gap = max_gap
         self.sequences = sequences
         self.done = False
+        self.checks = 0  # how many batches were checked so far
+        #: the servers whose rejoining armed the check again (``rearm``): their completions are checked first
+        self.rejoined: frozenset[str] = frozenset()
+
+    def rearm(self, servers: list[str]) -> None:
+        """Check the next batch sampled by pushed weights again, ``servers``' completions first (rollout servers
+        that rejoined the fleet in the last push); nothing when ``servers`` is empty. Every rank calls it with the
+        same list (the push's outcome), so the ranks check the same batch."""
+        if servers:
+            self.done = False
+            self.rejoined = self.rejoined | frozenset(servers)
 
     def __call__(self, model: nn.Module, prompts: list[list[int]], groups: list[list[Completion]],
                  temperature: float, device: torch.device, engine: str,
@@ -117,13 +142,15 @@ class SamplerCheck:
         model.eval()  # no dropout: the sampler had none
         try:
             with precision():
-                total, count = sampler_gap(model, prompts, groups, temperature, self.sequences, device)
+                total, count = sampler_gap(model, prompts, groups, temperature, self.sequences, device,
+                                           self.rejoined)
         finally:
             model.train(was_training)
         summed = all_reduce(torch.tensor([total, float(count)], dtype=torch.float64))
         gap = float(summed[0]) / max(float(summed[1]), 1.0)
-        self.done = True
+        rejoined, self.done, self.rejoined = self.rejoined, True, frozenset()
+        self.checks += 1
         report = GapReport(gap, int(summed[1]), time.perf_counter() - start)
         if gap > self.max_gap:
-            raise SamplerMismatchError(mismatch_message(gap, self.max_gap, engine))
+            raise SamplerMismatchError(mismatch_message(gap, self.max_gap, engine, sorted(rejoined)))
         return report

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -69,6 +69,9 @@ class Completion:
     #: how many tokens each entry of ``versions`` sampled, in order (partial rollouts, ``data.partial_rollouts``: a
     #: weight push landed mid-generation); empty: one span covering every token
     span_lengths: tuple[int, ...] = ()
+    #: the URL of the rollout server that sampled it (``None``: an in-process engine, or a router's answer); not
+    #: part of its value: the same tokens sampled elsewhere are the same completion
+    server: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ import time
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -52,6 +51,7 @@ from lit_grpo.engines.base import (
 from lit_grpo.engines.options import ServerOptions
 from lit_grpo.engines.progress import wait_reporting
 from lit_grpo.engines.remote.adapter_push import merges_held, push_served_adapter, push_vllm_adapter
+from lit_grpo.engines.remote.completions import response_groups
 from lit_grpo.engines.remote.connection import RouterConnection, ServerConnection
 from lit_grpo.engines.remote.fleet import Fleet
 from lit_grpo.engines.remote.kept_weights import LORA_SPEC_KEY, MERGES_KEY, KeptWeights
@@ -62,7 +62,6 @@ from lit_grpo.engines.remote.request_layout import (
     SEED_MODULUS,
     Request,
     contiguous_runs,
-    read_version_spans,
 )
 from lit_grpo.engines.remote.session_routing import SessionRouter, spread_stats
 from lit_grpo.engines.remote.weight_push import WeightPusher
@@ -127,8 +126,10 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         if self.prefix_cache is not None:
             self.prefix_cache.take()
         self.synced_step = 0
-        self.reference_version: str | None = None  # the label of the pi_ref pushed to the servers
         self.serves_reference = bool(serves_reference)
+        #: servers that a push after the first reached with a new transfer group (a restarted server rejoining), the
+        #: same on every rank: the data module's sampler check takes their first batch again (``take_rejoined``)
+        self.rejoined: set[str] = set()
         #: called on every rank before each push (the asynchronous producer's ``drain``), see ``load_weights``
         self.before_push: list[Callable[[], None]] = []
         #: partial rollouts (``keep_generating_through_pushes``): a push keeps the generations in flight
@@ -138,7 +139,7 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         #: which servers are up (``lit_grpo.engines.remote.fleet``): a dead one costs a retry, not the run
         self.fleet = Fleet(self.servers, self.timeout_s)
         self.pusher = WeightPusher(self.servers, options, self._server_dtype(options.dtype), policy, self.fleet)
-        self.reference = ReferenceClient(self.servers[0], self.generate_timeout_s)
+        self.reference = ReferenceClient(self.fleet, self.generate_timeout_s)
         self._merges_applied: int | None = None  # asked of the servers at the first LoRA push
         self.vllm_adapters = None  # kind vllm with model.lora: vllm_client.ServeAdapters, made at the first push
         #: the trainer's copy of the last pushed weights (``keep_pushed_weights``), which ``score`` recomputes
@@ -236,10 +237,35 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
             for server in self.servers:  # its version is no longer known on any rank
                 server.expected_version = None
             raise
+        first = self.fleet.pushed is None
         self.record_push(versions)
+        for server in self.servers:  # pi_ref is pushed again to a server the push left out or joined anew
+            if server.url in self.fleet.left_out or (not first and server.url in self.pusher.joined):
+                server.reference_version = None
+        if not first:
+            self.rejoined.update(self.pusher.joined)
         self.fleet.pushed = str(int(step))
         if kept is not None:
             kept.commit(self.synced_step)
+
+    def take_rejoined(self) -> list[str]:
+        """The servers that rejoined since the last call (``rejoined``), and forget them: the same on every rank,
+        so the sampler check arms again on all of them together."""
+        taken, self.rejoined = sorted(self.rejoined), set()
+        return taken
+
+    @property
+    def reference_version(self) -> str | None:
+        """The label of the pi_ref every server the last push reached holds (``None``: none pushed yet, a push
+        failed, or a server that rejoined lacks it, so ``WeightSync`` pushes pi_ref again and the trainer scores
+        pi_ref itself until then). It depends on the pushes' outcomes only, the same on every rank."""
+        labels = {s.reference_version for s in self.servers if s.url not in self.fleet.left_out}
+        return labels.pop() if len(labels) == 1 else None
+
+    @reference_version.setter
+    def reference_version(self, version: str | None) -> None:
+        for server in self.servers:
+            server.reference_version = version
 
     @property
     def merges_applied(self) -> int:
@@ -286,15 +312,17 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
             raise ValueError(f"pi_ref can be pushed to the project's server only, not to kind {self.kind!r}")
         self._before_push()
         try:
-            self.pusher.push(named_tensors, str(version), "reference")
+            reached = self.pusher.push(named_tensors, str(version), "reference")
         except ServerError:
             self.reference_version = None  # which pi_ref each server holds is no longer known
             raise
-        self.reference_version = str(version)
+        for server in self.servers:  # one it did not reach is down (``Fleet``): pi_ref is pushed to it when it is back
+            server.reference_version = str(version) if server.url in reached else None
 
     def score_reference(self, micro_batches: list[MicroBatch], num_sequences: int, width: int, temperature: float,
                         autocast: str | None = None) -> tuple[torch.Tensor, str]:
-        """pi_ref's log-probs from the first server (``ReferenceClient.score``), for the pi_ref last pushed."""
+        """pi_ref's log-probs from the first server up that holds the pi_ref last pushed (``ReferenceClient.score``);
+        one lost on the way hands the batch to the next."""
         return self.reference.score(micro_batches, num_sequences, width, temperature, autocast,
                                     self.reference_version)
 
@@ -484,59 +512,10 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
 
     def _groups(self, server: ServerConnection | RouterConnection, response: dict, num_prompts: int, n: int,
                 pushes: int | None = None) -> list[list[Completion]]:
-        """The completions of ``response``, each labelled with the versions that sampled its tokens. A server that
-        labels none (no ``weight_versions``) is asked for its version after the answer, which names the sampler
-        only if no push of this trainer began since the request was sent (``pushes``: the count then), so
-        such an answer is refused when one did."""
-        where = f"rollout server {server.url}"
-        choices = response.get("choices")
-        if not isinstance(choices, list) or len(choices) != num_prompts * n:
-            got = len(choices) if isinstance(choices, list) else choices
-            raise ServerError(f"{where} returned {got} completions for {num_prompts} prompts x n={n}")
-        choices = sorted(choices, key=lambda c: c.get("index", -1))
-        if [c.get("index") for c in choices] != list(range(num_prompts * n)):
-            raise ServerError(f"{where} returned completion indices that are not 0..{num_prompts * n - 1}")
-        versions, unknown = set(), False
-        completions = []
-        for c in choices:
-            ids, logprobs = c.get("token_ids"), (c.get("logprobs") or {}).get("token_logprobs")
-            if not isinstance(ids, list) or not isinstance(logprobs, list) or len(ids) != len(logprobs):
-                raise ServerError(f"{where} returned a completion without token_ids and one log-prob per token")
-            if any(v is None for v in logprobs):
-                raise ServerError(f"{where} returned a completion with a missing log-prob")
-            if c.get("finish_reason") not in ("stop", "length"):
-                raise ServerError(f"{where} did not finish a completion (finish_reason={c.get('finish_reason')!r})")
-            labels, lengths = read_version_spans(c.get("weight_versions"), len(ids), where)
-            versions.update(labels)
-            unknown = unknown or not labels
-            completions.append(Completion([int(t) for t in ids], [float(v) for v in logprobs],
-                                          truncated=c.get("finish_reason") == "length", versions=labels,
-                                          span_lengths=lengths))
-        if unknown:
-            if pushes is not None and pushes != self.pushes_started:
-                raise ServerError(f"{where} labelled its completions with no weight version (weight_versions) and "
-                                  "this trainer began a weight push while they were sampled, so which version "
-                                  "sampled them is unknown; the project's server and vLLM 0.33 label every token")
-            if "weight_version" in response:
-                version = version_text(response["weight_version"])
-            elif isinstance(server, RouterConnection):  # the router does not say which server answered
-                version = server.expected_version
-            else:
-                version = version_text(server.client.get("/weight_info").get("weight_version"))
-            versions.add(version)
-            completions = [c if c.versions else replace(c, versions=(version,)) for c in completions]
-        expected = server.expected_version
-        if self.partial_rollouts and versions <= server.pushed_versions:
-            pass  # pushes keep the requests in flight: any version this trainer pushed (the newest may be under way)
-        elif expected is None or versions != {expected}:
-            if expected is None:
-                raise ServerError(f"{where} holds weight version {sorted(map(str, versions))} and this trainer has "
-                                  "pushed no weights to it yet: WeightSync (the `sync` section) pushes them when "
-                                  "training starts")
-            raise ServerError(f"{where} sampled with weight version {sorted(map(str, versions))}, but this trainer "
-                              f"pushed version {expected!r} to it: the server restarted or another trainer pushed "
-                              "weights. Resume from the last checkpoint; the resumed run pushes the policy again")
-        return [completions[p * n : (p + 1) * n] for p in range(num_prompts)]
+        """``response_groups`` (``lit_grpo.engines.remote.completions``): the answer's completions by prompt, each
+        labelled with the versions that sampled its tokens and the server that answered."""
+        pushed = pushes is not None and pushes != self.pushes_started
+        return response_groups(server, response, num_prompts, n, pushed, self.partial_rollouts)
 
     # ---- the rest of the interface ------------------------------------------------------------------
     def score(self, layout: ScoringLayout, temperature: float) -> torch.Tensor | None:

@@ -25,6 +25,9 @@ class ServerConnection:
         self.host = parts.hostname
         self.client = HTTPClient(url, token, timeout_s)
         self.expected_version: str | None = None  # what this trainer last pushed to it
+        #: the label of the pi_ref this trainer last pushed to it (``data.reference_on_server``); ``None`` once it was
+        #: down: a restarted server holds its own start-up copy, which scores nothing until pi_ref is pushed again
+        self.reference_version: str | None = None
         #: every version this trainer began to push to it (partial rollouts: a completion may carry any of them)
         self.pushed_versions: set[str] = set()
         self.group = None

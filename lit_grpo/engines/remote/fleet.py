@@ -60,6 +60,9 @@ class Fleet:
         #: servers taken out of routing so far (a server that dies twice counts twice), and put back
         self.losses = 0
         self.rejoins = 0
+        #: the servers the last push left out (``apply``): unlike ``down``, which each rank's own requests also set,
+        #: the same on every rank, so what depends on it (whether pi_ref must be pushed again) is agreed
+        self.left_out: set[str] = set()
 
     # ---- state ----------------------------------------------------------------------------------------
     def is_up(self, server: ServerConnection) -> bool:
@@ -87,12 +90,15 @@ class Fleet:
             self.down.discard(server.url)
             self.rejoins += 1
 
-    def apply(self, down: list[str]) -> None:
-        """Set the servers ``down`` (URLs) down and every other one up: a push's outcome, the same on every rank."""
+    def apply(self, down: list[str], rejoin: bool = True) -> None:
+        """Set the servers ``down`` (URLs) down and, with ``rejoin`` (a push of the policy or its adapter), every
+        other one up: a push's outcome, the same on every rank. A pi_ref push (``rejoin`` false) puts none back:
+        a server that missed the policy's push must not sample."""
+        self.left_out = set(down) if rejoin else self.left_out | set(down)
         for server in self.servers:
             if server.url in down:
                 self.mark_down(server, "it did not take the weight push")
-            else:
+            elif rejoin:
                 self.mark_up(server)
 
     def stats(self) -> dict[str, float]:
@@ -170,12 +176,13 @@ class Fleet:
             return None
         return version_text(info.get("weight_version")) or ""
 
-    def push_targets(self) -> list[ServerConnection]:
-        """The servers a push goes to: those up, and those down that answer now (rank 0 asks them); with none, the
-        first ones to answer within ``timeout_s`` (``NoServerUp`` after it)."""
+    def push_targets(self, rejoin: bool = True) -> list[ServerConnection]:
+        """The servers a push goes to: those up and, with ``rejoin`` (a push of the policy or its adapter), those
+        down that answer now (rank 0 asks them); with none, the first ones to answer within ``timeout_s``
+        (``NoServerUp`` after it)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            targets = [s for s in self.servers if self.is_up(s) or self.probe(s) is not None]
+            targets = [s for s in self.servers if self.is_up(s) or (rejoin and self.probe(s) is not None)]
             if targets or time.monotonic() >= deadline:
                 break
             time.sleep(PROBE_EVERY_S)

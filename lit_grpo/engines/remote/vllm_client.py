@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_grpo.core.distributed import full_named_parameters, is_fsdp1
+from lit_grpo.core.distributed import all_gather_objects, full_named_parameters, is_fsdp1, rank_and_world
 from lit_grpo.engines.options import ServerOptions
 from lit_grpo.engines.remote.connection import ServerConnection
+from lit_grpo.engines.remote.fleet import Fleet
 from lit_grpo.wire.protocol import ServerError, version_text
 
 #: the wire dtype when none is asked for
@@ -68,7 +69,9 @@ def vllm_parts(server: ServerConnection, options: ServerOptions, dtype: torch.dt
                          "(ModelParallelStrategy) or DDP")
     client = versioned_vllm_client(server.url, options.timeout_s, server.client.token)
     source = policy_source(policy, dtype)
-    world = 1 + int(server.client.get("/get_world_size")["world_size"])
+    # the other ranks only iterate the source (vLLM's trainer side returns before it reads the group's size), so
+    # only rank 0 asks the server: a dead server then fails rank 0's push, which the ranks learn of together
+    world = 1 + int(server.client.get("/get_world_size")["world_size"]) if rank == 0 else 1
     address = options.transfer_address or local_address_towards(server.host)
     info = trainer_init_info(options.transfer_backend, address, world, rank, options.bucket_bytes, options.timeout_s,
                              server.client.token)
@@ -96,18 +99,42 @@ def trainer_init_info(backend: str, address: str, world: int, rank: int, bucket_
 
 def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: torch.dtype,
               policy: Callable[[], nn.Module], iterator: Iterator[tuple[str, torch.Tensor]], step: int,
-              rank: int, pause_mode: str = "wait") -> dict:
-    """Every rank runs vLLM's ``send_weights`` (the sender broadcasts, the others only gather). The first
-    server consumes the given iterator; further servers gather the ``policy()`` again. ``pause_mode``: ``wait``
-    for the requests in flight, or ``keep`` them (vLLM 0.32 freezes them in its scheduler with their KV caches and
-    labels their tokens' versions in ``weight_versions`` spans; partial rollouts). Returns
-    ``{"error": message}`` or ``{"error": None, "versions": {url: version}}`` for the push to share over the
-    ranks."""
+              rank: int, pause_mode: str = "wait", fleet: Fleet | None = None) -> dict:
+    """Every rank runs vLLM's ``send_weights`` (the sender broadcasts, the others only gather) for each server the
+    push goes to: those of ``fleet`` that are up and the down ones that answer again, as rank 0 finds them (shared
+    with the other ranks first: every rank gathers once per server). The first server consumes the given iterator;
+    further servers gather the ``policy()`` again. A server whose push fails and that no longer answers is dead: it
+    is left out (``Fleet``) and the push goes on; a failure of a server that still answers fails the push. A
+    server that restarted since the last push (it reports another version than this trainer pushed to it) gets
+    vLLM's trainer side anew, so it ``joined``. ``pause_mode``: ``wait`` for the requests in flight, or ``keep``
+    them (vLLM 0.32 freezes them in its scheduler with their KV caches and labels their tokens' versions in
+    ``weight_versions`` spans; partial rollouts). Returns ``{"error": message}`` or ``{"error": None, "versions":
+    {url: version}, "joined": [url]}`` for the push to share over the ranks."""
+    fleet = fleet if fleet is not None else Fleet(servers, options.timeout_s)
+    found: dict[str, Any] = {"urls": [], "error": None}
+    if rank == 0:
+        try:
+            found["urls"] = [s.url for s in fleet.push_targets()]
+        except ServerError as err:
+            found["error"] = str(err)
+    found = all_gather_objects(found)[0] if rank_and_world()[1] > 1 else found
+    if found["error"]:
+        for _ in iterator:  # the other ranks are in the gathers
+            pass
+        return {"error": f"weight push of step {step} failed: {found['error']}"}
+    targets = [s for s in servers if s.url in found["urls"]]
     failed: list[str] = []
     versions: dict[str, str] = {}
-    for index, server in enumerate(servers):
+    joined: list[str] = []
+    for index, server in enumerate(targets):
         tensors = iterator if index == 0 else policy_tensors(policy())
         try:
+            if rank == 0:
+                held = version_text(server.client.get("/weight_info").get("weight_version"))
+                if server.vllm is not None and held != server.expected_version:
+                    server.close_group()  # restarted (or pushed by another trainer): its transfer engine is new
+                if server.vllm is None:
+                    joined.append(server.url)
             client, source, trainer = vllm_parts(server, options, dtype, policy, rank)
             if rank == 0:
                 server.client.post("/pause", query={"mode": pause_mode})
@@ -121,19 +148,28 @@ def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: to
                     raise ServerError(f"rollout server {server.url} reports weight version "
                                       f"{versions[server.url]!r} after a push of {str(step)!r}")
         except Exception as err:  # noqa: BLE001 (collected, raised on every rank together)
-            failed.append(f"weight push of step {step} to {server.url} failed on rank {rank}: {err}")
+            versions.pop(server.url, None)
             server.close_group()  # shuts the broken group, its store and sockets down; the next push forms a new one
             server.expected_version = None
             for _ in tensors:  # the other ranks are in the gathers
                 pass
+            if rank == 0 and fleet.probe(server) is None:
+                continue  # it died during the push: left out, like a server that was down before it
+            failed.append(f"weight push of step {step} to {server.url} failed on rank {rank}: {err}")
             if rank == 0:
                 try:
                     server.client.post("/resume", timeout_s=min(5.0, options.timeout_s))
                 except ServerError:
                     pass
+    if not targets:
+        for _ in iterator:
+            pass
     if failed:
         return {"error": failed[0]}
-    return {"error": None, "versions": versions}
+    if not versions:
+        return {"error": f"weight push of step {step} failed: every rollout server was lost during it "
+                         f"({', '.join(s.url for s in targets)})"}
+    return {"error": None, "versions": versions, "joined": [url for url in joined if url in versions]}
 
 
 def policy_tensors(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -95,6 +95,10 @@ class WeightPusher:
         self._pack_buffer: torch.Tensor | None = None
         #: rank 0's receive memory for the FSDP2 gather (``rank0_buckets``), kept across pushes
         self._gather_buffer = GatherBuffer()
+        #: the servers the last push formed a new transfer group with and reached (every rank gets rank 0's): all at
+        #: the first push; later, a server that restarted (or whose group broke) and got the weights anew, whose
+        #: first batch the sampler check takes again (``lit_grpo.data.sampler_check``)
+        self.joined: list[str] = []
 
     def policy(self) -> nn.Module:
         """The policy module (given, or returned by the given callable)."""
@@ -121,7 +125,7 @@ class WeightPusher:
             from lit_grpo.engines.remote.vllm_client import push_vllm
 
             outcome = push_vllm(self.servers, self.options, self.dtype, self.policy, iter(named_tensors),
-                                int(version), rank, self.pause_mode)
+                                int(version), rank, self.pause_mode, self.fleet)
         elif rank == 0:
             outcome = self._push(named_tensors, module, version, target, start)
         else:
@@ -133,8 +137,9 @@ class WeightPusher:
         if errors:
             raise ServerError(errors[0])
         versions = outcomes[0]["versions"]
-        if self.kind == "lit_grpo":  # rank 0's outcome on every rank: the servers the push reached are the ones up
-            self.fleet.apply([s.url for s in self.servers if s.url not in versions])
+        self.joined = list(outcomes[0].get("joined", []))
+        # rank 0's outcome on every rank: the servers the push reached are the ones up (a pi_ref push puts none back)
+        self.fleet.apply([s.url for s in self.servers if s.url not in versions], rejoin=target != "reference")
         return versions
 
     def _cast(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -164,10 +169,12 @@ class WeightPusher:
         mark = time.perf_counter()
         # the servers up, and those down that answer again (a restarted one gets the current weights now); a server
         # whose connection is lost during the push is left out of the rest of it (``Fleet``)
+        joined: list[str] = []
         try:
-            targets = self.fleet.push_targets()
+            targets = self.fleet.push_targets(rejoin=target != "reference")
             for server in list(targets):
-                self._on_target(targets, server, lambda s: self._begin(s, target, start))
+                if self._on_target(targets, server, lambda s: self._begin(s, target, start)):
+                    joined.append(server.url)
             if not targets:  # every one answered the probe, then lost its connection
                 raise self.fleet.none_up()
         except Exception as err:  # noqa: BLE001 (reported on every rank after the gathers)
@@ -214,7 +221,7 @@ class WeightPusher:
             what = {"policy": f"weight push of step {version}", "adapter": f"adapter push of step {version}"}.get(
                 target, f"push of pi_ref version {version}")
             return {"error": f"{what} failed: {failed[0]}"}
-        return {"error": None, "versions": versions}
+        return {"error": None, "versions": versions, "joined": [url for url in joined if url in versions]}
 
     def _on_target(self, targets: list[ServerConnection], server: ServerConnection,
                    step: Callable[[ServerConnection], Any]) -> Any:
@@ -229,9 +236,12 @@ class WeightPusher:
             self._abandon(server)
             return None
 
-    def _begin(self, server: ServerConnection, target: str = "policy", start: dict[str, Any] | None = None) -> None:
+    def _begin(self, server: ServerConnection, target: str = "policy", start: dict[str, Any] | None = None) -> bool:
+        """Pause ``server`` (a pi_ref push lets it generate) and start its update; whether a new transfer group was
+        formed with it (a first push, a restarted server, a group that broke)."""
         info = server.client.get("/weight_info")
-        if server.group is None or not info.get("transfer_group"):
+        joined = server.group is None or not info.get("transfer_group")
+        if joined:
             self._init_group(server)
         if target == "policy":
             server.client.post("/pause", query={"mode": self.pause_mode})
@@ -241,6 +251,7 @@ class WeightPusher:
             server.client.post("/start_weight_update", {"target": target, **(start or {})})
         else:  # generation goes on: it does not read pi_ref
             server.client.post("/start_weight_update", {"target": target})
+        return joined
 
     def _init_group(self, server: ServerConnection) -> None:
         from lit_grpo.wire.weight_transfer import local_address_towards, open_group, open_store
