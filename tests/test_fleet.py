@@ -25,7 +25,7 @@ def fleet_options(servers: list[ServerProcess]) -> dict:
     return dict(urls=[s.url for s in servers], token=servers[0].token, timeout_s=30, bucket_mb=0.05)
 
 
-def restart_when_dead(server: ServerProcess, delay_s: float, out: dict) -> threading.Thread:
+def restart_when_dead(server: ServerProcess, delay_s: float, out: dict, args: tuple[str, ...] = ()) -> threading.Thread:
     """A thread that waits for ``server`` to die, then starts a new server process at its port after ``delay_s``."""
     def run() -> None:
         while server.proc.poll() is None:
@@ -33,7 +33,7 @@ def restart_when_dead(server: ServerProcess, delay_s: float, out: dict) -> threa
         out["killed_at"] = time.monotonic()
         time.sleep(delay_s)
         port = int(server.url.rsplit(":", 1)[1])
-        again = ServerProcess(server.workdir.parent / "restarted", port=port, token=server.token)
+        again = ServerProcess(server.workdir.parent / "restarted", port=port, token=server.token, args=args)
         again.wait_ready()
         out["server"], out["back_at"] = again, time.monotonic()
 
@@ -85,6 +85,58 @@ def test_a_killed_and_restarted_server_costs_retries_and_the_fit_trains_as_the_c
         assert clean[rank][0]["sampler_checks"] == [1.0] * len(steps)
         # every batch's pi_ref scored by a server, the rejoined one's included
         assert all(s["train/reference_served"] == 1.0 for s in steps), [s["train/reference_served"] for s in steps]
+
+
+@pytest.mark.slow  # real server, router and trainer processes
+def test_through_the_router_a_killed_server_leaves_its_list_and_returns_only_after_a_push(tmp_path):
+    """The same kill and restart behind ``python -m lit_grpo route`` (vllm-router, its retries off): the router
+    answers a request for the dead server with a 500, the trainer finds the server down, takes it out of the
+    router's list and sends the request again; the restarted server is put back in the list only by the push that
+    reached it, so it never samples with its start-up weights (the fit would stop on the version check), and the
+    fit trains exactly like a clean run through the router."""
+    pytest.importorskip("vllm_router")
+    from route_process import RouteProcess
+
+    token = "g" * 32
+    servers = [ServerProcess(tmp_path / f"server{i}", port=free_port(), token=token, args=("--log-requests",))
+               for i in range(2)]
+    restarted: dict = {}
+    router = watcher = None
+    try:
+        for server in servers:
+            server.wait_ready()
+        router = RouteProcess(tmp_path, [s.url for s in servers], token)
+        router.wait_ready()
+        options = dict(fleet_options(servers), router_url=router.url)
+        clean = launch([dict(JOB, server=options)], world=2, workdir=tmp_path / "clean", timeout_s=600)
+        watcher = restart_when_dead(servers[1], 0.5, restarted, args=("--log-requests",))
+        survived = launch([dict(JOB, server=options, kill_server=dict(pid=servers[1].proc.pid, after_batch=2),
+                                wait_for_servers=dict(urls=[servers[1].url], at_step=8))],
+                          world=2, workdir=tmp_path / "killed", timeout_s=600)
+        watcher.join(120)
+        workers = router.workers()
+    finally:
+        # killed: let its restart finish, so that no server outlives the test
+        if watcher is not None and servers[1].proc.poll() is not None:
+            watcher.join(120)
+        for process in [router, *servers, restarted.get("server")]:
+            if process is not None:
+                process.kill()
+    assert sorted(workers) == sorted(s.url for s in servers)  # back in the router's list at the end
+    for rank in range(2):
+        steps = survived[rank][0]["steps"]
+        assert len(steps) == JOB["max_steps"]
+        trained = [[{k: v for k, v in s.items() if k != "rollout/servers_up"} for s in run[rank][0]["steps"]]
+                   for run in (clean, survived)]
+        assert_same_steps(*trained)
+        up = [s["rollout/servers_up"] for s in steps]
+        assert up[0] == 2.0 and 1.0 in up and up[-1] == 2.0, up
+    # the restarted server took its first push before its first request, and then served requests
+    lines = (restarted["server"].workdir / "server.log").read_text().splitlines()
+    routes = [line.split('"')[1].split()[1] for line in lines if '"' in line]
+    served = [i for i, route in enumerate(routes) if route == "/v1/completions"]
+    pushed = [i for i, route in enumerate(routes) if route not in ("/health", "/weight_info", "/v1/completions")]
+    assert served and pushed and pushed[0] < served[0], routes
 
 
 @pytest.mark.slow
@@ -242,3 +294,93 @@ def test_pi_ref_is_scored_by_the_first_server_up_that_holds_it_and_a_lost_one_ha
     with pytest.raises(ServerError, match=r"^no rollout server up holds pi_ref version '1' \(http://stale, "
                                           r"http://lost, http://holder\)"):
         client.score([micro_batch([0], 3)], 1, 3, 1.0, None, "1")
+
+
+class RouterStub:
+    """A router's worker list (``RouterConnection``'s membership calls), recorded."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls, self.calls = list(urls), []
+
+    def remove_worker(self, url: str) -> None:
+        self.calls.append(("remove", url))
+        self.urls = [u for u in self.urls if u != url]
+
+    def add_worker(self, url: str) -> None:
+        self.calls.append(("add", url))
+        self.urls.append(url)
+
+
+def test_through_a_router_a_server_it_cannot_reach_leaves_its_list_and_returns_after_a_push(monkeypatch):
+    a, b = Stub("http://a"), Stub("http://b")
+    fleet = Fleet([a, b], timeout_s=1.0, delays_s=(0.0, 0.0))
+    fleet.router = router = RouterStub(["http://a", "http://b"])
+    monkeypatch.setattr(fleet, "probe", lambda server: None if server is b else "1")
+    answers = iter([ServerError("rollout server http://r: POST /v1/completions returned 500: Internal Server Error",
+                                status=500), "done"])
+
+    def through() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    # vllm-router's 500 for a worker it could not reach: b does not answer a probe, leaves the list, and the
+    # request goes again (to a, the only one left in the router's list)
+    with pytest.warns(UserWarning, match=r"rollout server http://b is down \(the router could not reach it"):
+        assert fleet.through_router(through) == "done"
+    assert router.calls == [("remove", "http://b")] and router.urls == ["http://a"]
+    assert fleet.stats()["servers_up"] == 1.0
+    fleet.apply([], rejoin=True)  # a push reached b: back in the router's list, not before
+    assert router.calls[-1] == ("add", "http://b") and fleet.stats()["servers_up"] == 2.0
+    # a push that leaves a server out takes it out of the router's list too
+    with pytest.warns(UserWarning, match="did not take the weight push"):
+        fleet.apply(["http://a"], rejoin=True)
+    assert router.calls[-1] == ("remove", "http://a")
+
+
+def test_through_a_router_an_error_with_every_server_answering_fails_as_before(monkeypatch):
+    fleet = Fleet([Stub("http://a"), Stub("http://b")], timeout_s=1.0, delays_s=(0.0, 0.0))
+    fleet.router = router = RouterStub(["http://a", "http://b"])
+    monkeypatch.setattr(fleet, "probe", lambda server: "1")
+    calls = []
+
+    def fail(status: int | None, lost: bool = False):  # noqa: ANN202
+        def call() -> str:
+            calls.append(status)
+            raise ServerError(f"rollout server http://r: POST /v1/completions returned {status}", status=status,
+                              lost=lost)
+        return call
+
+    for status in (500, 400, 503):
+        with pytest.raises(ServerError, match=f"returned {status}"):
+            fleet.through_router(fail(status))
+    assert calls == [500, 400, 503] and router.calls == [] and fleet.stats()["servers_up"] == 2.0
+    calls.clear()
+    with pytest.raises(ServerError):  # the router itself unreachable: tried again after each delay, then raised
+        fleet.through_router(fail(None, lost=True))
+    assert len(calls) == 3
+
+
+def test_the_router_connection_adds_and_removes_workers_and_an_existing_one_is_no_error(monkeypatch):
+    from lit_grpo.engines.remote.connection import RouterConnection
+
+    router = RouterConnection("http://127.0.0.1:9", "t" * 32, 1.0, [])
+    sent = []
+
+    def text(method: str, path: str, query: dict | None = None, **_: object) -> str:
+        sent.append((method, path, query))
+        if path == "/add_worker" and len(sent) > 1:
+            raise ServerError("rollout server http://127.0.0.1:9: POST /add_worker returned 400: Bad Request",
+                              status=400)
+        if path == "/remove_worker" and len(sent) > 2:
+            raise ServerError("rollout server http://127.0.0.1:9: POST /remove_worker failed: refused", lost=True)
+        return "Successfully added worker"
+
+    monkeypatch.setattr(router.client, "text", text)
+    router.add_worker("http://a:1")
+    router.add_worker("http://a:1")  # another rank added it first: vllm-router's 400 "already exists"
+    with pytest.warns(UserWarning, match=r"^the router http://127.0.0.1:9 did not remove worker http://a:1: "):
+        router.remove_worker("http://a:1")
+    assert sent == [("POST", "/add_worker", {"url": "http://a:1"})] * 2 + [("POST", "/remove_worker",
+                                                                               {"url": "http://a:1"})]

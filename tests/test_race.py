@@ -68,6 +68,8 @@ def test_both_sides_train_on_the_same_rows_in_lit_grpos_order():
     ({"side": "vllm"}, "side 'vllm'"),
     ({"side": "trl", "sync_every": 4}, "on-policy"),
     ({"steps": 7, "eval_every": 5}, "multiple of eval_every"),
+    ({"side": "trl", "packing": True}, "lit_grpo's options"),
+    ({"side": "trl", "micro_batch_tokens": 4096}, "lit_grpo's options"),
 ])
 def test_rows_the_race_cannot_run_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
@@ -164,3 +166,48 @@ def test_both_sides_of_the_committed_race_whiten_alike():
     """The race uses TRL's advantage (Bessel-corrected std) on the lit_grpo side too."""
     for path, run in committed_runs("ours"):
         assert run["config"].get("advantage_std") == "bessel", path
+
+
+def test_the_reasoning_warm_start_spells_each_word_and_its_total_is_the_tasks_answer():
+    """The longer race's warm-start target (``warm_start.reasoning_target``): every word spelled with its count of
+    the letter, the total equal to the row's gold answer on every train row (the task counts case-insensitively),
+    and the tagged total last, where the task's scorer reads it."""
+    from warm_start import reasoning_target
+
+    rows = race_config.load_rows(TASK, "train")
+    for row in rows:
+        target = reasoning_target(row)
+        assert target.endswith(f"<answer>{row['answer']}</answer>") and reward(target, row) == 1.0
+    word = rows[0]["question"].split(": ")[1].strip('"?').split()[0]
+    assert f"{word}: {'-'.join(word)}, " in reasoning_target(rows[0])
+    with pytest.raises(ValueError, match="written for letter_counting questions"):
+        reasoning_target({"question": "What is 2 + 3?", "answer": "5"})
+    with pytest.raises(ValueError, match="but its answer is 9"):
+        reasoning_target({**rows[0], "answer": "9"})
+
+
+def test_a_race_of_its_own_keeps_its_runs_apart_and_the_table_names_the_throughput_options():
+    import race
+
+    long = RaceConfig(race="letter_counting_reasoning", packing=True, micro_batch_tokens=4096, max_new_tokens=256)
+    assert race.run_path(long).parent.name == "letter_counting_reasoning"
+    assert race.run_path(RaceConfig()).parent.name == "letter_counting"
+    run = fake_run("ours", 0, [0.5, 0.6, 0.7], 10.0)
+    run["config"].update(long.to_json(), steps=10)
+    run["train_steps"] = [{"completion_length": 100.0}, {"completion_length": 120.0}]
+    line = next(li for li in report.table({"x": {"ours": [run]}}).splitlines() if li.startswith("| lit_grpo"))
+    assert line.startswith("| lit_grpo, on-policy (v = 1), packed, micro_batch_tokens 4096 |")
+    assert "| 110.0 |" in line and "up to 256 new tokens" in report.table({"x": {"ours": [run]}})
+
+
+def test_a_stopped_run_is_left_out_of_the_table_and_its_curve_sums_its_logged_steps(tmp_path):
+    import json
+
+    run = fake_run("trl", 0, [0.4, 0.5], 30.0)  # evaluated at steps 0 and 5 of a 30-step run: never finished
+    run["config"]["steps"] = 30
+    run["train_steps"] = [{"step": s, "seconds_trl_step_time": 10.0 * s} for s in range(1, 8)]
+    (tmp_path / "task").mkdir()
+    (tmp_path / "task" / "trl_seed0.partial.json").write_text(json.dumps(run))
+    assert report.load_runs(tmp_path) == {}
+    (stopped,) = report.load_partial(tmp_path)["task"]
+    assert report.partial_curve(stopped) == ([0, 5], [0.0, 150.0], [0.4, 0.5])  # 10 + 20 + ... + 50 s

@@ -12,16 +12,12 @@ Every request the trainers send and every session they release is recorded (``ro
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
-import urllib.request
 from unittest import mock
 
 import pytest
 from distributed_launch import free_port
 from multi_turn_helpers import multi_turn_data, stopping_tiny_llama
+from route_process import RouteProcess
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.slow  # an end-to-end tier of its own: python -m pytest -m slow
@@ -63,51 +59,6 @@ def fit(tmp_path_factory):
             server.kill()
 
 
-class RouteProcess:
-    """``python -m lit_grpo route`` over ``urls`` on a free loopback port, ready once its (authenticated) /health
-    answers."""
-
-    def __init__(self, workdir, urls: list[str]) -> None:  # noqa: ANN001
-        self.port, metrics = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(workdir / "router.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "lit_grpo", "route", "--servers", *urls, "--port",
-                                      str(self.port), "--metrics-port", str(metrics)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
-
-    def answer(self, path: str, token: str | None, method: str = "GET") -> tuple[int, bytes]:
-        """``(status, body)`` of one request (``token`` None: no Authorization header)."""
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        request = urllib.request.Request(self.url + path, headers=headers, method=method,
-                                         data=b"" if method == "POST" else None)
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            with opener.open(request, timeout=10) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read()
-
-    def call(self, path: str, token: str | None, method: str = "GET") -> int:
-        return self.answer(path, token, method)[0]
-
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, f"the router exited with {self.proc.returncode}"
-            try:
-                if self.call("/health", TOKEN) == 200:
-                    return
-            except OSError:  # not listening yet: poll again below
-                pass
-            assert time.monotonic() < deadline, "the router did not start"
-            time.sleep(0.5)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory):
     root = tmp_path_factory.mktemp("routed")
@@ -118,7 +69,7 @@ def routed(tmp_path_factory):
     try:
         for server in servers:
             server.wait_ready()
-        router = RouteProcess(root, [s.url for s in servers])
+        router = RouteProcess(root, [s.url for s in servers], TOKEN)
         router.wait_ready()
         results, records = two_rank_fit(root, model, task, dict(urls=[s.url for s in servers], router_url=router.url,
                                                                   token=TOKEN, timeout_s=60, bucket_mb=0.05))

@@ -63,12 +63,17 @@ def task_label(task: str) -> str:
     return task.split(":")[1] if task.startswith("reasoning_gym:") else task.replace("/", "_")
 
 
+def race_name(config: RaceConfig) -> str:
+    """The folder of the row's results: its race's name, or the task's."""
+    return config.race or task_label(config.task)
+
+
 def run_path(config: RaceConfig) -> Path:
-    return RESULTS / task_label(config.task) / f"{config.row}_seed{config.seed}.json"
+    return RESULTS / race_name(config) / f"{config.row}_seed{config.seed}.json"
 
 
 def weights_dir(config: RaceConfig) -> Path:
-    return WEIGHTS / task_label(config.task) / f"{config.row}_seed{config.seed}"
+    return WEIGHTS / race_name(config) / f"{config.row}_seed{config.seed}"
 
 
 def machine() -> dict[str, Any]:
@@ -162,8 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     train_parser = commands.add_parser("train", help="train one row, then evaluate it")
     for field in dataclasses.fields(RaceConfig):
-        train_parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default),
-                                  default=field.default)
+        kind = type(field.default)
+        train_parser.add_argument("--" + field.name.replace("_", "-"), default=field.default,
+                                  type=(lambda text: text.lower() in ("1", "true", "yes")) if kind is bool else kind)
     train_parser.add_argument("--no-eval", action="store_true", help="leave the evaluation for `evaluate`")
     train_parser.add_argument("--server-cpus", default=None,
                               help="K >= 1: the CPUs the rollout server runs on, e.g. '1' (default: the trainer's)")

@@ -17,6 +17,9 @@ PROMPTS: dict[str, str] = {
     "rg": system_prompt(),
     "direct": "Answer the question directly, without explanation. Write only the final answer between <answer> and "
               "</answer> tags.",
+    # the longer race's (letter_counting): reasoning before the answer, in the form its warm start teaches
+    "spell": "Spell each word of the text letter by letter and count the letter in it, then add the counts. Write "
+             "the total between <answer> and </answer> tags.",
 }
 
 
@@ -75,6 +78,12 @@ class RaceConfig:
     precision: str = "32"
     #: eq. 2's std: ``bessel`` is TRL's (Bessel-corrected, eps outside the root), so both sides whiten alike
     advantage_std: str = "bessel"
+    #: lit_grpo's throughput options (ours only; TRL has neither): the log-prob passes packed (the prefix tree
+    #: over the group's shared prompt) and micro-batches cut by a token budget (0: by ``micro_batch_size``)
+    packing: bool = False
+    micro_batch_tokens: int = 0
+    #: the race a row belongs to, its results' folder (empty: the task's name); the longer race is its own
+    race: str = ""
     eval_questions: int = 64
     eval_samples: int = 4
     eval_seed: int = 1234
@@ -88,6 +97,8 @@ class RaceConfig:
             raise ValueError(f"precision {self.precision!r}; expected one of {', '.join(PRECISIONS)}")
         if self.side == "trl" and self.advantage_std != "bessel":
             raise ValueError("the TRL row whitens with the Bessel-corrected std: advantage_std bessel")
+        if self.side == "trl" and (self.packing or self.micro_batch_tokens):
+            raise ValueError("packing and micro_batch_tokens are lit_grpo's options: the TRL row takes neither")
         if self.steps % self.eval_every:
             raise ValueError(f"steps ({self.steps}) must be a multiple of eval_every ({self.eval_every})")
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 #: the held-out score each task's time-to-score column reads (stated in the table's heading)
-THRESHOLDS: dict[str, float] = {"letter_counting": 0.5, "spell_backward": 0.2, "basic_arithmetic": 0.1}
+THRESHOLDS: dict[str, float] = {"letter_counting": 0.5, "spell_backward": 0.2, "basic_arithmetic": 0.1,
+                                 "letter_counting_reasoning": 0.6}
 #: what the curves plot: the task's own score (``score_answer``, in [0, 1], partial credit included), the reward
 #: both sides train on; ``accuracy`` is the share of completions scored above 0.5
 METRIC = "mean_score"
@@ -45,6 +46,25 @@ def load_runs(results: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:
     return runs
 
 
+def load_partial(results: Path) -> dict[str, list[dict[str, Any]]]:
+    """task -> the runs that stopped before their last step (``<row>_seed<s>.partial.json``: what they logged), which
+    the table leaves out and the figure draws dashed."""
+    partial: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for path in sorted(results.glob("*/*.partial.json")):
+        partial[path.parent.name].append(json.loads(path.read_text()))
+    return partial
+
+
+def partial_curve(run: dict[str, Any], metric: str = METRIC) -> tuple[list[int], list[float], list[float]]:
+    """(steps, training seconds, held-out ``metric``) of a stopped run: its seconds summed from its logged steps."""
+    clock, elapsed = 0.0, {0: 0.0}
+    for entry in run["train_steps"]:
+        clock += entry["seconds_trl_step_time"]
+        elapsed[entry["step"]] = clock
+    steps = sorted(int(s) for s in run["eval"])
+    return steps, [elapsed[s] for s in steps], [run["eval"][str(s)][metric] for s in steps]
+
+
 def curve(run: dict[str, Any], metric: str = METRIC) -> tuple[list[int], list[float], list[float]]:
     """(steps, training seconds, held-out ``metric``) at the evaluated steps; step 0 at 0 s."""
     steps = sorted(int(s) for s in run["eval"])
@@ -66,18 +86,26 @@ def mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
+def throughput_options(config: dict[str, Any]) -> str:
+    """lit_grpo's throughput options a row ran with, as the row's name states them."""
+    options = (["packed"] if config.get("packing") else []) + (
+        [f"micro_batch_tokens {config['micro_batch_tokens']}"] if config.get("micro_batch_tokens") else [])
+    return f", {', '.join(options)}" if options else ""
+
+
 def table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     lines = []
     for task, rows in sorted(runs.items()):
         threshold = THRESHOLDS.get(task, 0.5)
         any_run = next(iter(rows.values()))[0]
         config = any_run["config"]
-        lines += [f"**{task}** (`{config['task']}`), model `{config['model']}`, {config['steps']} steps of "
-                  f"{config['prompts_per_step']} prompts x {config['num_generations']}, held-out score on "
-                  f"{config['eval_questions']} test questions x {config['eval_samples']} samples; time to "
-                  f"a held-out score of {threshold}:", "",
+        lines += [f"**{task}** (`{config['task']}`), model `{config['model']}`, prompt `{config['prompt']}`, "
+                  f"{config['steps']} steps of {config['prompts_per_step']} prompts x {config['num_generations']}, "
+                  f"up to {config['max_new_tokens']} new tokens, held-out score on {config['eval_questions']} test "
+                  f"questions x {config['eval_samples']} samples; time to a held-out score of {threshold}:", "",
                   "| row | precision | seeds | score, step 0 | score, last step | exact, last step | s / step | "
-                  f"time to {threshold} (median) | vs TRL | peak RSS |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"mean length | time to {threshold} (median) | vs TRL | peak RSS |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         baseline_time: dict[str, float | None] = {}
         for baseline in set(BASELINE.values()) & set(rows):
             times = [t for t in (time_to(r, threshold) for r in rows[baseline]) if t is not None]
@@ -100,13 +128,18 @@ def table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
             rss = f"{statistics.median(measured) / 1024:.1f} GiB" if measured else "not recorded"
             seeds = ", ".join(str(r["config"]["seed"]) for r in group)
             precision = " / ".join(sorted({precision_of(r) for r in group}))
-            lines.append(f"| {ROW_NAMES[row]} | {precision} | {seeds} | {start:.3f} | {mean_sd(finals)} | "
-                         f"{mean_sd(exact)} | {per_step:.1f} | {when} | {ratio} | {rss} |")
+            lengths = [s["completion_length"] for r in group for s in r.get("train_steps", [])
+                       if s.get("completion_length") is not None]
+            length = f"{statistics.mean(lengths):.1f}" if lengths else "not recorded"
+            lines.append(f"| {ROW_NAMES[row]}{throughput_options(group[0]['config'])} | {precision} | {seeds} | "
+                         f"{start:.3f} | {mean_sd(finals)} | {mean_sd(exact)} | {per_step:.1f} | {length} | {when} | "
+                         f"{ratio} | {rss} |")
         lines.append("")
     return "\n".join(lines)
 
 
-def figure(runs: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None:
+def figure(runs: dict[str, dict[str, list[dict[str, Any]]]], path: Path,
+           partial: dict[str, list[dict[str, Any]]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,6 +147,7 @@ def figure(runs: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None
 
     colors = {"trl": "tab:red", "ours": "tab:blue", "ours-v4": "tab:green", "ours-k1": "tab:purple",
               "trl-bf16": "tab:orange", "ours-bf16": "tab:cyan"}
+    partial = partial or {}
     tasks = sorted(runs)
     fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.6 * len(tasks)), squeeze=False)
     for (by_step, by_time), task in zip(axes, tasks):
@@ -124,6 +158,11 @@ def figure(runs: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None
                 label = f"{ROW_NAMES[row]} ({count} seed{'s' if count > 1 else ''})" if i == 0 else None
                 by_step.plot(steps, accuracy, color=colors[row], alpha=0.75, marker=".", label=label)
                 by_time.plot(seconds, accuracy, color=colors[row], alpha=0.75, marker=".")
+        for run in partial.get(task, []):
+            steps, seconds, accuracy = partial_curve(run)
+            label = f"{ROW_NAMES[run['row']]} (stopped after step {run['train_steps'][-1]['step']})"
+            by_step.plot(steps, accuracy, color=colors[run["row"]], alpha=0.75, marker=".", ls="--", label=label)
+            by_time.plot(seconds, accuracy, color=colors[run["row"]], alpha=0.75, marker=".", ls="--")
         by_step.set(title=f"{task}: held-out score", xlabel="optimizer step", ylabel="task score (mean)")
         by_time.set(title=f"{task}: against training time", xlabel="training seconds (one core)")
         by_step.legend(fontsize=8)
@@ -136,7 +175,7 @@ def figure(runs: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None
 def report(results: Path, document: Path) -> None:
     runs = load_runs(results)
     text = table(runs)
-    figure(runs, results / "race.png")
+    figure(runs, results / "race.png", load_partial(results))
     if document.exists() and BEGIN in document.read_text():
         before, rest = document.read_text().split(BEGIN, 1)
         after = rest.split(END, 1)[1]

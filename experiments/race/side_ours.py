@@ -48,7 +48,7 @@ def train(config: RaceConfig, weights_dir: Path, server: tuple[str, str] | None 
         gradient_clip_val=config.max_grad_norm, loss_aggregation="token_mean", iterations_per_batch=1,
         # fused AdamW: TRL's default optim (adamw_torch_fused); TRL has no Theorem-1 monitor (one more no-grad
         # forward per batch): off for equal work
-        monitor_tv_after_update=False, log_completions_every_n_steps=None,
+        monitor_tv_after_update=False, log_completions_every_n_steps=None, packing=config.packing,
     )
     engine_options: dict[str, Any] | None = None
     engine = "transformers"
@@ -61,6 +61,7 @@ def train(config: RaceConfig, weights_dir: Path, server: tuple[str, str] | None 
         max_new_tokens=config.max_new_tokens, temperature=config.temperature,
         system_prompt=system_prompt_of(config.prompt, config.task), engine=engine, engine_options=engine_options,
         max_staleness=config.max_staleness, seed=config.seed, advantage_std=config.advantage_std,
+        micro_batch_tokens=config.micro_batch_tokens or None,
     )
     trainer = L.Trainer(
         max_steps=config.steps, accelerator="cpu", devices=1, precision=PRECISIONS[config.precision], logger=False,

@@ -21,7 +21,8 @@ started with what a GRPO trainer needs of it.
 vllm-router 0.1.17's command line has no option for the validation (its Rust core has), so the router is started
 from its Python package with its own defaults for everything else. Weight pushes, pause and resume do not go
 through it: the trainer reaches every server directly (``data.engine_options.urls``), and sends completions to
-``router_url``.
+``router_url``. The trainer also keeps the router's list of servers: one it finds down leaves it
+(``/remove_worker``), and returns (``/add_worker``) only once a push reached it (``lit_grpo.engines.remote.fleet``).
 """
 
 from __future__ import annotations

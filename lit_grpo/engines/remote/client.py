@@ -138,6 +138,7 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
         self.pushes_started = 0
         #: which servers are up (``lit_grpo.engines.remote.fleet``): a dead one costs a retry, not the run
         self.fleet = Fleet(self.servers, self.timeout_s)
+        self.fleet.router = self.router  # behind a router, its list of servers follows which are up
         self.pusher = WeightPusher(self.servers, options, self._server_dtype(options.dtype), policy, self.fleet)
         self.reference = ReferenceClient(self.fleet, self.generate_timeout_s)
         self._merges_applied: int | None = None  # asked of the servers at the first LoRA push
@@ -470,9 +471,11 @@ class ServerEngine(RemoteEngine, ReferenceServing, AdapterEngine):
     def _complete_on_fleet(self, request: Request, prompts: list[list[int]], n: int, sampling: SamplingConfig,
                            salt: str | None = None) -> list[list[Completion]]:
         """``request`` on its server, or, when that one is lost, as it is (its prompts, its seed) on the next server
-        up (``Fleet.on_any``); through a router, the router's own retries decide."""
+        up (``Fleet.on_any``); through a router, sent again once the servers it could not reach are out of its list
+        (``Fleet.through_router``)."""
         if isinstance(request.server, RouterConnection):
-            return self._complete(request.server, prompts, n, sampling, request.seed, request.session, salt)
+            return self.fleet.through_router(lambda: self._complete(
+                request.server, prompts, n, sampling, request.seed, request.session, salt))
         return self.fleet.on_any(request.server, lambda server: self._complete(
             server, prompts, n, sampling, request.seed, request.session, salt))
 

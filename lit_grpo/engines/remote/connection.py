@@ -10,7 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from lit_grpo.core.distributed import close_at_exit
-from lit_grpo.wire.protocol import HTTPClient
+from lit_grpo.wire.protocol import HTTPClient, ServerError
 
 
 class ServerConnection:
@@ -64,7 +64,8 @@ class ServerConnection:
 class RouterConnection:
     """A router in front of ``servers`` (``vllm-router``; ``ServerOptions.router_url``): completions go through it
     and any of the servers may answer, so the version a completion must carry is the one this trainer pushed to
-    every server (``None`` while they differ: a push failed on some), and any version it began to push to them."""
+    every server up (``None`` while they differ, or before the first push), and any version it began to push to
+    them."""
 
     def __init__(self, url: str, token: str | None, timeout_s: float, servers: list[ServerConnection]) -> None:
         parts = urlsplit(url)
@@ -74,9 +75,30 @@ class RouterConnection:
         self.client = HTTPClient(url, token, timeout_s)
         self.servers = servers
 
+    def remove_worker(self, url: str) -> None:
+        """Take the server ``url`` out of the router's routing (``POST /remove_worker``, a no-op there for one it
+        does not hold): a server the fleet lost must get no more requests, and must not get them again when it
+        restarts with its start-up weights."""
+        self._membership("remove_worker", url)
+
+    def add_worker(self, url: str) -> None:
+        """Put the server ``url`` back in the router's routing (``POST /add_worker``): only once a push reached it,
+        so that it samples the current weights (the router waits for a worker it adds to answer its health check,
+        so a server that is not up is never added). 400, ``already exists`` (another rank added it), is fine."""
+        self._membership("add_worker", url)
+
+    def _membership(self, route: str, url: str) -> None:
+        try:
+            self.client.text("POST", f"/{route}", query={"url": url})
+        except ServerError as err:
+            if route == "add_worker" and err.status == 400:
+                return
+            warnings.warn(f"the router {self.url} did not {route.replace('_', ' ')} {url}: {err}", stacklevel=3)
+
     @property
     def expected_version(self) -> str | None:
-        versions = {s.expected_version for s in self.servers}
+        # a server down holds none (``Fleet.mark_down``) and is out of the router's list: it answers nothing
+        versions = {s.expected_version for s in self.servers} - {None}
         return versions.pop() if len(versions) == 1 else None
 
     @property

@@ -15,6 +15,13 @@ before it gets any work) and is back in routing once the push has reached it. Th
 learns from rank 0, sets the servers up and down alike on all ranks. When no server is up, a request waits for one
 that answers with the weights this trainer pushed (a server that was unreachable, not restarted) for at most the
 engine's ``timeout_s``, then the fit stops with one line naming every server.
+
+Behind a router (``router_url``, ``python -m lit_grpo route``) the fleet keeps the router's list of servers: a server
+taken out of routing leaves it (``/remove_worker``) and returns to it (``/add_worker``) once a push has reached it,
+never before, so a restarted server is not sent work with its start-up weights. vllm-router, with its retries off
+(a paused server's 503 must reach the trainer), answers a request it could not deliver to the server it chose with
+a 500: the servers up are then probed, those that do not answer are taken out, and the request is sent again
+(``through_router``).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
-from lit_grpo.engines.remote.connection import ServerConnection
+from lit_grpo.engines.remote.connection import RouterConnection, ServerConnection
 from lit_grpo.wire.protocol import ServerError, version_text
 
 #: seconds before each retry of a request whose connection was lost, on the same server (bounded: 3 tries, 3.5 s)
@@ -63,6 +70,8 @@ class Fleet:
         #: the servers the last push left out (``apply``): unlike ``down``, which each rank's own requests also set,
         #: the same on every rank, so what depends on it (whether pi_ref must be pushed again) is agreed
         self.left_out: set[str] = set()
+        #: the router in front of the servers, whose list of servers follows which are up (``router_url``)
+        self.router: RouterConnection | None = None
 
     # ---- state ----------------------------------------------------------------------------------------
     def is_up(self, server: ServerConnection) -> bool:
@@ -78,6 +87,8 @@ class Fleet:
             return
         self.down.add(server.url)
         self.losses += 1
+        if self.router is not None:
+            self.router.remove_worker(server.url)
         server.expected_version = None  # whatever it holds when it returns, it is not what this trainer pushed
         left = len(self.servers) - len(self.down)
         where = (f"its requests go to the {left} other server{'s' if left != 1 else ''} up" if left else
@@ -89,6 +100,8 @@ class Fleet:
         if server.url in self.down:
             self.down.discard(server.url)
             self.rejoins += 1
+            if self.router is not None:
+                self.router.add_worker(server.url)
 
     def apply(self, down: list[str], rejoin: bool = True) -> None:
         """Set the servers ``down`` (URLs) down and, with ``rejoin`` (a push of the policy or its adapter), every
@@ -146,6 +159,34 @@ class Fleet:
                 return self.call(candidates[0], call)
             except ServerDown:
                 continue
+
+    def through_router(self, call: Callable[[], T]) -> T:
+        """``call()``, a request through the router. An error answer of 500, 502 or 504 (the router could not reach
+        the server it chose): every server up is probed, those that do not answer are taken out of routing (and
+        of the router's list), and the call is made again; when no server was lost while it ran, the error is
+        raised as it is. A lost connection to the router itself is tried again after each of
+        :data:`RETRY_DELAYS_S`, then raised. Each new try follows a server taken out or a delay: the tries are
+        bounded."""
+        delays = iter(self.delays_s)
+        while True:
+            losses = self.losses  # a loss while this call ran (another thread's request found it) is its cause too
+            try:
+                return call()
+            except ServerError as err:
+                if err.lost:
+                    delay = next(delays, None)
+                    if delay is None:
+                        raise
+                    time.sleep(delay)
+                    continue
+                if err.status not in (500, 502, 504):
+                    raise
+                for server in [server for server in self.up if self.probe(server) is None]:
+                    self.mark_down(server, f"the router could not reach it: {str(err).split(': ', 1)[-1]}")
+                if self.losses == losses:
+                    raise
+                if not self.up:
+                    self._wait_for_one()
 
     def _wait_for_one(self) -> None:
         """Wait for a down server that answers with the version this trainer last pushed to every server (one that
