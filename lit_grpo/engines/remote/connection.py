@@ -34,6 +34,7 @@ class ServerConnection:
         self.store = None
         self.listener = None
         self.vllm = None  # (client, source, trainer engine) for kind vllm
+        self.push_check = None  # kind vllm: what the next push is verified against (vllm_verify.PushCheck)
 
     def attach_group(self, group: Any, store: Any, listener: Any) -> None:
         """Keep the weight-transfer group this side formed (with its store and, on the trainer's side, the store's
@@ -51,6 +52,7 @@ class ServerConnection:
 
         group, self.group = self.group, None
         self.store = self.listener = None
+        self.push_check = None  # a new group is a new lineage of pushes: the next one calibrates the check again
         close_group(group)
         parts, self.vllm = self.vllm, None
         if parts is not None:

@@ -15,6 +15,7 @@ optional extra).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,13 @@ from lit_grpo.core.distributed import all_gather_objects, full_named_parameters,
 from lit_grpo.engines.options import ServerOptions
 from lit_grpo.engines.remote.connection import ServerConnection
 from lit_grpo.engines.remote.fleet import Fleet
+from lit_grpo.engines.remote.vllm_verify import (
+    PushNotApplied,
+    SentRecord,
+    check_push,
+    served_digests,
+    stale_warning,
+)
 from lit_grpo.wire.protocol import ServerError, version_text
 
 #: the wire dtype when none is asked for
@@ -140,13 +148,27 @@ def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: to
                 server.client.post("/pause", query={"mode": pause_mode})
                 client.next_version = str(step)
             source.current = tensors
+            source.record = SentRecord() if rank == 0 and options.verify_pushes else None
             trainer.send_weights()  # start -> update (with the broadcast) -> finish(weight_version)
             if rank == 0:
                 versions[server.url] = version_text(server.client.get("/weight_info").get("weight_version"))
-                server.client.post("/resume")
                 if versions[server.url] != str(step):
+                    server.client.post("/resume")
                     raise ServerError(f"rollout server {server.url} reports weight version "
                                       f"{versions[server.url]!r} after a push of {str(step)!r}")
+                if source.record is not None:  # checked before any request samples from it
+                    checksums = server.client.post("/weight_checker", {"action": "checksum"})["checksums"]
+                    server.push_check = check_push(server.url, step, source.record, served_digests(checksums),
+                                                   server.push_check)
+                    if server.push_check.stale:
+                        warnings.warn(stale_warning(server.url, server.push_check.stale), stacklevel=2)
+                server.client.post("/resume")
+        except PushNotApplied as err:  # the server answers, but does not hold the push: the run stops
+            versions.pop(server.url, None)
+            server.close_group()
+            server.expected_version = None
+            failed.append(str(err))
+            server.client.post("/resume", timeout_s=min(5.0, options.timeout_s))
         except Exception as err:  # noqa: BLE001 (collected, raised on every rank together)
             versions.pop(server.url, None)
             server.close_group()  # shuts the broken group, its store and sockets down; the next push forms a new one
@@ -239,13 +261,16 @@ def policy_source(policy: nn.Module, dtype: torch.dtype) -> Any:
     def tensors(self: Any) -> Iterator[tuple[str, torch.Tensor]]:
         current, self.current = self.current, None
         for name, tensor in current or ():
-            yield name, tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
+            sent = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
+            if self.record is not None:  # rank 0, verify_pushes (lit_grpo.engines.remote.vllm_verify)
+                self.record.add(name, sent)
+            yield name, sent
 
     if hasattr(WeightSource, "iter_full"):  # 0.33
         members = {"metadata": cached_property(metadata), "iter_full": tensors}
     else:  # 0.32
         members = {"metadata": metadata, "__iter__": tensors}
-    return type("PolicySource", (WeightSource,), {"current": None, **members})()
+    return type("PolicySource", (WeightSource,), {"current": None, "record": None, **members})()
 
 
 # ---- LoRA adapters (model.lora) on vllm serve --------------------------------------------------------------
@@ -345,23 +370,45 @@ class ServeAdapterCalls:
         self._reload_base = reload_base
         self.servers: list[ServerConnection] = []
         self._cleared: set[str] = set()  # servers whose earlier fits' adapters are unloaded
+        #: the step of the last base push: a server reporting another weight version restarted and lacks that base
+        self.base_step: int | None = None
+        #: ``(server) -> its weight version, or None when it does not answer`` (``Fleet.probe``): a server whose
+        #: call fails and that no longer answers is left out of the push (``lost``) instead of failing it
+        self.answers: Callable[[ServerConnection], str | None] | None = None
+        self.lost: list[str] = []
 
     def reload_base(self, step: int) -> None:
         self._reload_base(step)
+        self.base_step = int(step)
+
+    def _dead(self, server: ServerConnection) -> bool:
+        if self.answers is None or self.answers(server) is not None:
+            return False
+        self.lost.append(server.url)
+        self._cleared.discard(server.url)  # if it comes back it was restarted: nothing of this fit on it
+        return True
 
     def load(self, version: Any) -> None:
         """Load ``version`` on every server (first unloading earlier fits' leftovers: this fit's names restart at
-        1); a server that refuses it leaves none of them holding it."""
+        1); a server that refuses it leaves none of them holding it; one that no longer answers is left out."""
         if self.rank != 0:
             return
         done: list[ServerConnection] = []
         try:
             for server in self.servers:
-                if server.url not in self._cleared:
-                    unload_leftovers(server)
-                    self._cleared.add(server.url)
-                load_lora(server, version.name, str(version.path))
+                try:
+                    if server.url not in self._cleared:
+                        unload_leftovers(server)
+                        self._cleared.add(server.url)
+                    load_lora(server, version.name, str(version.path))
+                except ServerError:
+                    if self._dead(server):
+                        continue
+                    raise
                 done.append(server)
+            if not done:
+                raise ServerError(f"the adapter push of {version.name} failed: every rollout server was lost during "
+                                  f"it ({', '.join(s.url for s in self.servers)})")
         except ServerError:
             for server in done:
                 try:
@@ -373,7 +420,13 @@ class ServeAdapterCalls:
     def unload(self, version: Any) -> None:
         if self.rank == 0:
             for server in self.servers:
-                unload_lora(server, version.name)
+                if server.url in self.lost:
+                    continue
+                try:
+                    unload_lora(server, version.name)
+                except ServerError:
+                    if not self._dead(server):
+                        raise
 
 
 def load_lora(server: ServerConnection, name: str, path: str) -> None:
