@@ -72,6 +72,37 @@ def series_of(record: dict) -> dict[str, dict[int, float]]:
             record["series"].items()}
 
 
+def for_cpu(record: dict, cpu: str | None) -> dict:
+    """The record as a CPU of ``cpu``'s vendor replays it: the recording vendor's own, or the series recorded for
+    this vendor (``record["vendors"]``, :func:`with_vendor_series`) in its place; the record itself when there is
+    neither (:func:`replay_blocker` then says why it is not compared)."""
+    here = vendor_of(cpu or "")
+    other = record.get("vendors", {}).get(here) if here else None
+    if other is None or here == vendor_of(record.get("recorded_on", "")):
+        return record
+    return {**record, "recorded_on": other["recorded_on"], "series": other["series"]}
+
+
+def with_vendor_series(record: dict, measured: dict[str, dict[int, float]], capability: str) -> dict:
+    """``record`` with this CPU's vendor's series added: the same reference cell (the committed warm start, the
+    same steps, :data:`REPLAY_ENV`) as this vendor's CPUs measure it, for the points the record holds. A vendor's
+    kernels round otherwise (:func:`other_vendor`), so each vendor's CPUs are compared with their own series."""
+    vendor = vendor_of(cpu_name())
+    if vendor is None or vendor == vendor_of(record["recorded_on"]):
+        raise ValueError(f"{record['result']}: this CPU ({cpu_name()}) is the recording vendor's or names none; "
+                         "expected another vendor's CPU (AMD or Intel)")
+    missing = [f"{name}@{step}" for name, points in record["series"].items() for step in points
+               if int(step) not in measured.get(name, {})]
+    if missing:
+        raise ValueError(f"{record['result']}: the run logged no {', '.join(missing[:5])}; expected every point of "
+                         "the reference")
+    series = {name: {step: measured[name][int(step)] for step in points} for name, points in record["series"].items()}
+    vendors = {**record.get("vendors", {}),
+               vendor: {"recorded_on": f"{cpu_name()} ({capability} here, {CAPABILITY} dispatched)",
+                        "series": series}}
+    return {**record, "vendors": vendors}
+
+
 def warm_start_config(alias: str) -> WarmStartConfig:
     """The config of warm start ``alias`` (``arith-tiny-sft`` or ``calc-tiny-sft``)."""
     from lit_grpo.training import warm_start as ws
@@ -143,7 +174,11 @@ def replay_blocker(record: dict, capability: str, machine: str, here: dict[str, 
              if record[lib] != here[lib]]
     if other:
         return "recorded with " + " and ".join(other)
-    return other_vendor(record.get("recorded_on", "").split(" (")[0], cpu)
+    if cpu is not None and vendor_of(cpu) in record.get("vendors", {}):
+        return None  # this vendor's own series is recorded beside the reference
+    blocked = other_vendor(record.get("recorded_on", "").split(" (")[0], cpu)
+    return blocked and (f"{blocked}; record this vendor's series: python experiments/reproduce.py "
+                        f"--record-vendor-series {record.get('result', 'RESULT')}")
 
 
 def recipe_changed(record: dict) -> str | None:

@@ -41,3 +41,37 @@ def replaced(text: str, name: str, table: str) -> str:
 def write_table(document: Path, name: str, table: str) -> None:
     """Replace table ``name`` of ``document`` by ``table`` (the file must already hold its markers)."""
     document.write_text(replaced(document.read_text(), name, table))
+
+
+def demo_table(record: dict) -> str:
+    """The README's five-seed table (between its ``demo-table`` markers) from ``demo_cpu_seeds.json``'s record:
+    held-out Pass@1 (mean +- population std over seeds, and the worst seed) and Pass@8 at each evaluated step; the
+    last step's Pass@1 in bold, the number the demo's bar is about."""
+    import statistics
+
+    seeds = record["seeds"]
+    steps = sorted({int(s) for r in seeds.values() for s in r["eval/pass@1"]})
+
+    def at(tag: str, step: int) -> list[float]:
+        return [r[tag][str(step)] for r in seeds.values()]
+
+    def row(name: str, values: list[str], bold_last: bool = False) -> str:
+        if bold_last:
+            values = [*values[:-1], f"**{values[-1]}**"]
+        return f"| {name} | " + " | ".join(values) + " |"
+
+    def mean_std(tag: str) -> list[str]:
+        return [f"{statistics.fmean(at(tag, s)):.2f} +- {statistics.pstdev(at(tag, s)):.2f}" for s in steps]
+
+    return "\n".join([row("optimizer step", [str(s) for s in steps]), "|---|" + "---|" * len(steps),
+                      row("held-out Pass@1", mean_std("eval/pass@1"), bold_last=True),
+                      row("held-out Pass@1, worst seed", [f"{min(at('eval/pass@1', s)):.2f}" for s in steps],
+                          bold_last=True),
+                      row("held-out Pass@8", mean_std("eval/pass@8"))])
+
+
+def last_pass_by_seed(record: dict) -> str:
+    """Each seed's Pass@1 at the last evaluated step, to three decimals (the README's prose quotes them)."""
+    seeds = record["seeds"]
+    last = str(max(int(s) for r in seeds.values() for s in r["eval/pass@1"]))
+    return "last Pass@1 by seed: " + ", ".join(f"{seed}: {r['eval/pass@1'][last]:.3f}" for seed, r in seeds.items())

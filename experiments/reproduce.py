@@ -18,13 +18,19 @@ AVX2 from a committed warm start, which every x86-64 CPU with AVX2 replays, AVX-
   that differs is printed with its difference but does not fail the command: re-measure it (and re-record its
   reference) and remove it from ``STALE`` in the same change;
 - ``skipped``: this machine cannot run the cell, and why: the result was made under an instruction set wider than
-  the one torch dispatches to here (AVX-512 on an AVX2 CPU), the CPU is not x86-64 or has no AVX2, or torch or
-  transformers is another version than the one the cell was made with.
+  the one torch dispatches to here (AVX-512 on an AVX2 CPU), the CPU is not x86-64 or has no AVX2, torch or
+  transformers is another version than the one the cell was made with, or the CPU is another vendor's than the
+  recording one's (AMD and Intel CPUs round some kernels otherwise) and no series of its vendor is recorded.
+
+An AVX2 reference holds a series per CPU vendor: the recording machine's, and the other vendor's, replayed from the
+same committed warm start on such a CPU (``--record-vendor-series``), so that AMD and Intel machines each compare
+the reference cell with their own vendor's numbers.
 
     OMP_NUM_THREADS=1 python experiments/reproduce.py                  # every result (about 12 minutes on one core)
     OMP_NUM_THREADS=1 python experiments/reproduce.py demo_cpu_seeds   # one of them
     python experiments/reproduce.py --list                             # the results and their cells
     OMP_NUM_THREADS=1 python experiments/reproduce.py --record-avx2-reference fig2_miniature  # after a re-measure
+    OMP_NUM_THREADS=1 python experiments/reproduce.py --record-vendor-series   # on the other vendor's CPU
 
 A committed cell whose warm start's cache key names a narrower instruction set than this CPU's (AVX2 on an AVX-512
 machine) is rebuilt with torch dispatching to that set (``ATEN_CPU_CAPABILITY``), so a result made on such a machine
@@ -48,7 +54,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import avx2_reference as reference
-from doc_tables import write_table
+from doc_tables import demo_table, last_pass_by_seed, write_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
@@ -385,7 +391,7 @@ def check(name: str, work: Path) -> tuple[str, bool]:
     """Run result ``name``'s committed cell in ``work`` and compare: its line and whether it fails the command."""
     cell = CELLS[name]()
     stale = STALE.get(name)
-    blocked = native_blocker(cell, native_capability())
+    blocked = native_blocker(cell, native_capability(), cpu=reference.cpu_name())
     if blocked:
         return f"skipped ({blocked})" + (f"; listed stale: {stale}" if stale else ""), False
     start = time.perf_counter()
@@ -396,6 +402,7 @@ def check(name: str, work: Path) -> tuple[str, bool]:
 def reference_cell(cell: Cell, record: dict) -> Cell:
     """The AVX2 reference of ``cell`` (a committed result's cell): the same run, compared with the points the
     reference ``record`` measured."""
+    record = reference.for_cpu(record, reference.cpu_name())
     return replace(cell, steps=record["steps"], expected=reference.series_of(record),
                    warm_start_key=record["warm_start"]["cache_key"], description=f"{cell.description}, AVX2")
 
@@ -468,6 +475,22 @@ def record_reference(name: str, work: Path) -> str:
             f"{line.split(';')[0]})")
 
 
+def record_vendor_series(name: str, work: Path) -> str:
+    """Add this CPU vendor's series to result ``name``'s AVX2 reference (recorded on another vendor's CPU): the
+    reference must stand for the result (not stale), its warm start is checked by its fingerprint, and the cell is
+    replayed here (:func:`avx2_reference.with_vendor_series`)."""
+    record = reference.load(name)
+    bare = record and {k: v for k, v in record.items() if k != "vendors"}
+    blocked = reference_blocker(name, bare)  # on another vendor's CPU: blocked by the vendor alone
+    if blocked and "another vendor's" not in blocked[1]:
+        raise SystemExit(f"{name}: its AVX2 reference is {blocked[0]} here ({blocked[1]})")
+    start = time.perf_counter()
+    updated = reference.with_vendor_series(record, replay_reference(name, work, bare), native_capability())
+    path = reference.reference_file(name)
+    path.write_text(json.dumps(updated, indent=1) + "\n")
+    return f"added this vendor's series to {path.relative_to(ROOT)} ({time.perf_counter() - start:.0f} s)"
+
+
 # --- measuring the demo's seeds ----------------------------------------------------------------------------------
 
 
@@ -502,40 +525,6 @@ def measure_demo(seeds: list[int], runs: Path, steps: int = 150, out: Path = DEM
     return record
 
 
-def demo_table(record: dict) -> str:
-    """The README's five-seed table (between its ``demo-table`` markers) from ``demo_cpu_seeds.json``'s record:
-    held-out Pass@1 (mean +- population std over seeds, and the worst seed) and Pass@8 at each evaluated step; the
-    last step's Pass@1 in bold, the number the demo's bar is about."""
-    import statistics
-
-    seeds = record["seeds"]
-    steps = sorted({int(s) for r in seeds.values() for s in r["eval/pass@1"]})
-
-    def at(tag: str, step: int) -> list[float]:
-        return [r[tag][str(step)] for r in seeds.values()]
-
-    def row(name: str, values: list[str], bold_last: bool = False) -> str:
-        if bold_last:
-            values = [*values[:-1], f"**{values[-1]}**"]
-        return f"| {name} | " + " | ".join(values) + " |"
-
-    def mean_std(tag: str) -> list[str]:
-        return [f"{statistics.fmean(at(tag, s)):.2f} +- {statistics.pstdev(at(tag, s)):.2f}" for s in steps]
-
-    return "\n".join([row("optimizer step", [str(s) for s in steps]), "|---|" + "---|" * len(steps),
-                      row("held-out Pass@1", mean_std("eval/pass@1"), bold_last=True),
-                      row("held-out Pass@1, worst seed", [f"{min(at('eval/pass@1', s)):.2f}" for s in steps],
-                          bold_last=True),
-                      row("held-out Pass@8", mean_std("eval/pass@8"))])
-
-
-def last_pass_by_seed(record: dict) -> str:
-    """Each seed's Pass@1 at the last evaluated step, to three decimals (the README's prose quotes them)."""
-    seeds = record["seeds"]
-    last = str(max(int(s) for r in seeds.values() for s in r["eval/pass@1"]))
-    return "last Pass@1 by seed: " + ", ".join(f"{seed}: {r['eval/pass@1'][last]:.3f}" for seed, r in seeds.items())
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="*", metavar="RESULT", help=f"default: all of {', '.join(CELLS)}")
@@ -548,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--measure-demo's run folders (a finished seed is not run again)")
     parser.add_argument("--record-avx2-reference", action="store_true",
                         help="record the results' AVX2 reference cells (experiments/results/avx2_reference/)")
+    parser.add_argument("--record-vendor-series", action="store_true",
+                        help="add this CPU vendor's series to the results' AVX2 references (another vendor's CPU)")
     args = parser.parse_args(argv)
     unknown = [r for r in args.results if r not in CELLS]
     if unknown:
@@ -568,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             if args.record_avx2_reference:
                 print(f"{name:18} {record_reference(name, work)}", flush=True)
+                continue
+            if args.record_vendor_series:
+                print(f"{name:18} {record_vendor_series(name, work)}", flush=True)
                 continue
             for kind, checker in (("committed", check), ("avx2 ref", check_reference)):
                 line, fails = checker(name, work)

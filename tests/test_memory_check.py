@@ -108,3 +108,77 @@ def test_the_command_line_says_it_in_one_line(tmp_path, monkeypatch, capsys) -> 
                          "--data.micro_batch_size", "64", f"--trainer.default_root_dir={tmp_path}"],
                         tmp_path, monkeypatch, capsys, may_load=True)
     assert "data.micro_batch_tokens to at most" in line and "model.gradient_checkpointing: true" in line
+
+
+def cache_bytes_after_decoding(config, rows: int, prompt: int, steps: int) -> int:  # noqa: ANN001
+    """The bytes transformers' own cache holds after a prefill of ``prompt`` tokens and ``steps`` decode steps."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, config.vocab_size, (rows, prompt), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        for _ in range(steps):
+            cache = model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True).past_key_values
+    return sum((layer.keys.numel() + layer.values.numel()) * layer.keys.element_size() for layer in cache.layers)
+
+
+def small(cls, **sizes):  # noqa: ANN001, ANN201
+    return cls(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+               **sizes)
+
+
+@pytest.mark.parametrize("positions", [6, 23])
+@pytest.mark.parametrize("family", ["llama", "qwen2-sliding-layers", "mistral-window", "gemma2"])
+def test_the_kv_cache_formula_is_the_bytes_transformers_cache_holds(family: str, positions: int) -> None:
+    """eq. rows x positions x layers x 2 x kv heads x head dim x bytes, a sliding layer capped at its window - 1:
+    against the keys and values of transformers' own cache after decoding, below and past the window of 8."""
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    config = {"llama": lambda: small(LlamaConfig, num_hidden_layers=3),
+              "qwen2-sliding-layers": lambda: small(Qwen2Config, num_hidden_layers=4, use_sliding_window=True,
+                                                    sliding_window=8, max_window_layers=2),
+              "mistral-window": lambda: small(MistralConfig, num_hidden_layers=2, sliding_window=8),
+              "gemma2": lambda: small(Gemma2Config, num_hidden_layers=4, sliding_window=8, head_dim=16)}[family]()
+    prompt = positions - 3
+    assert memory_check.kv_cache_bytes(config, 3, positions, 4) == cache_bytes_after_decoding(config, 3, prompt, 3)
+
+
+def test_a_config_without_attention_sizes_has_no_kv_bound() -> None:
+    assert memory_check.kv_cache_bytes(object(), 4, 100, 4) is None
+    assert memory_check.generation_too_large(object(), 4, 100, 4, 1, "x") is None
+
+
+def test_the_generation_refusal_names_the_need_and_the_sequences_that_fit() -> None:
+    from transformers import LlamaConfig
+
+    config = small(LlamaConfig, num_hidden_layers=3)
+    per_row = 3 * 1000 * 2 * 2 * 8 * 4  # 3 layers x 1,000 positions x keys and values x 2 kv heads x 8 x float32
+    assert memory_check.kv_cache_bytes(config, 1, 1000, 4) == per_row
+    where = "data.prompts_per_step=2 x data.num_generations=8"
+    assert memory_check.generation_too_large(config, 16, 1000, 4, 16 * per_row, where) is None
+    line = memory_check.generation_too_large(config, 16, 1000, 4, 10 * per_row, where)
+    assert "\n" not in line and line.startswith(f"generating 16 sequences of 1000 new tokens at once ({where})")
+    assert "data.engine_options.max_num_seqs to at most about 6 " in line  # 60 % of 10 rows' worth
+    line = memory_check.generation_too_large(config, 16, 1000, 4, per_row, where)
+    assert line.endswith("lower data.max_new_tokens")
+
+
+@pytest.mark.parametrize("cap", [None, 4])
+def test_a_fit_whose_kv_cache_cannot_fit_stops_before_any_rollout(cap: int | None, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The update's micro-batch is bounded to 64 tokens and fits; the engine's cache for 8 sequences (or the 4 that
+    ``max_num_seqs`` lets decode at once) of 4,000 new tokens does not."""
+    from lit_grpo.engines.options import TransformersOptions
+
+    module = tiny_module()
+    per_row = memory_check.kv_cache_bytes(module.policy.config, 1, 4000, 4)
+    rollouts = []
+    data = tiny_data(max_new_tokens=4000, micro_batch_tokens=64,
+                     engine_options=TransformersOptions(max_num_seqs=cap))
+    monkeypatch.setattr(data, "rollout_batch", lambda batch: rollouts.append(batch))
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: 3 * per_row)
+    rows = 8 if cap is None else cap
+    where = "data.prompts_per_step=2 x data.num_generations=4" if cap is None else "data.engine_options.max_num_seqs=4"
+    with pytest.raises(UpdateMemoryError, match=rf"generating {rows} sequences .*\({where}\).* about 1 \(sequences"):
+        tiny_trainer(tmp_path, max_steps=1).fit(module, datamodule=data)
+    assert rollouts == []

@@ -223,8 +223,9 @@ def test_the_miniatures_avx2_reference_cell_replays_on_any_x86_64_cpu(tmp_path):
     """The REC suite's v1-i1 seed 0, 20 steps, under AVX2 from the committed warm start (``avx2_reference``): its
     train reward, TV, KL and clip fractions at every step and held-out Pass@1 at steps 0 and 20 equal the committed
     reference to 1e-6, on an AVX-512 CPU as on an AVX2 one. Skipped, with the reason, only off x86-64, without
-    AVX2, with another torch or transformers than the reference's, or on another vendor's CPU than the recording
-    one (an AMD-recorded reference drifts on an Intel CPU: ``avx2_reference.other_vendor``)."""
+    AVX2, with another torch or transformers than the reference's, or on a CPU of a vendor whose series is not
+    recorded (an AMD-recorded reference drifts on an Intel CPU: ``avx2_reference.other_vendor``; each vendor's CPUs
+    compare with their own series, ``avx2_reference.for_cpu``)."""
     name = "fig2_miniature"
     record = reference.load(name)
     blocked = reproduce.reference_blocker(name, record)
@@ -249,5 +250,39 @@ def test_a_result_is_compared_on_the_recording_vendors_cpus_only():
     assert reference.other_vendor("AMD EPYC", None) is None
     record = {"torch": "1", "transformers": "2", "recorded_on": "AMD EPYC (AVX512 here, AVX2 dispatched)"}
     here = {"torch": "1", "transformers": "2"}
-    assert "another vendor's" in reference.replay_blocker(record, "AVX2", "x86_64", here, "Intel(R) Xeon(R)")
+    line = reference.replay_blocker(record, "AVX2", "x86_64", here, "Intel(R) Xeon(R)")
+    assert "another vendor's" in line and "--record-vendor-series" in line
     assert reference.replay_blocker(record, "AVX2", "x86_64", here, "AMD EPYC 7B13") is None
+    # with the other vendor's own series recorded beside it, that vendor's CPUs compare with it
+    record = {**record, "vendors": {"Intel": {"recorded_on": "Intel(R) Xeon(R) (AVX512 here, AVX2 dispatched)",
+                                              "series": {"reward": {"0": 0.5}}}}}
+    assert reference.replay_blocker(record, "AVX2", "x86_64", here, "Intel(R) Xeon(R)") is None
+
+
+def test_each_vendor_replays_its_own_series_of_a_reference(monkeypatch):
+    record = {"result": "r", "recorded_on": "AMD EPYC (AVX512 here, AVX2 dispatched)", "steps": 2,
+              "series": {"reward": {"0": 0.25, "1": 0.5}, "pass@1": {"0": 0.1}}}
+    assert reference.for_cpu(record, "Intel(R) Xeon(R) Processor") is record  # none recorded for Intel yet
+    monkeypatch.setattr(reference, "cpu_name", lambda: "AMD EPYC 7B13")
+    with pytest.raises(ValueError, match="the recording vendor's"):
+        reference.with_vendor_series(record, {"reward": {0: 0.3, 1: 0.6}, "pass@1": {0: 0.2}}, "AVX512")
+    monkeypatch.setattr(reference, "cpu_name", lambda: "Intel(R) Xeon(R) Processor")
+    with pytest.raises(ValueError, match=r"logged no pass@1@0"):
+        reference.with_vendor_series(record, {"reward": {0: 0.3, 1: 0.6}}, "AVX512")
+    both = reference.with_vendor_series(record, {"reward": {0: 0.3, 1: 0.6, 2: 0.9}, "pass@1": {0: 0.2}}, "AVX512")
+    assert both["series"] == record["series"]  # the recording vendor's points unchanged
+    intel = reference.for_cpu(both, "Intel(R) Xeon(R) Gold")
+    assert reference.series_of(intel) == {"reward": {0: 0.3, 1: 0.6}, "pass@1": {0: 0.2}}  # the record's points only
+    assert intel["recorded_on"].startswith("Intel(R) Xeon(R) Processor (AVX512 here")
+    assert reference.for_cpu(both, "AMD EPYC 9B14")["series"] == record["series"]
+
+
+def test_every_committed_reference_holds_a_series_for_amd_and_for_intel_cpus():
+    """Any x86-64 machine with AVX2 replays one cell of each committed result: each reference holds the points of
+    both vendors' CPUs, the same points."""
+    for name in reproduce.CELLS:
+        record = reference.load(name)
+        vendors = {reference.vendor_of(record["recorded_on"]), *record.get("vendors", {})}
+        assert vendors == {"AMD", "Intel"}, f"{name}: series for {sorted(v for v in vendors if v)} only"
+        for other in record["vendors"].values():
+            assert {k: set(v) for k, v in other["series"].items()} == {k: set(v) for k, v in record["series"].items()}

@@ -254,6 +254,8 @@ class FakeVLLMServer:
             if body is not None:
                 self.version = body["weight_version"]
             return 200, {"message": "Weight update finished"}
+        if path == "/weight_checker":  # vLLM 0.32's: SHA-256 of each parameter it holds, as the last push sent it
+            return 200, {"checksums": self.checksums()}
         if path == "/v1/completions":
             time.sleep(self.generate_delay_s)
             (prompt,) = body["prompt"]
@@ -265,6 +267,14 @@ class FakeVLLMServer:
                                 "weight_versions": [{"version": self.version, "start": 0, "end": 3}]})
             return 200, {"choices": choices}
         return 200, {"message": "ok"}
+
+    def checksums(self) -> dict[str, str]:
+        """What a server that loaded every tensor of the last push to it holds (the fake transfer sends nothing)."""
+        from lit_grpo.engines.remote.vllm_verify import sha256
+
+        rounds = [e.rounds[-1] for e in FakeTrainerEngine.instances if e.is_sender and e.rounds
+                  and e.client.base_url == self.url]
+        return {f"dp0:pp0:pcp0:tp0:{name}": sha256(t) for name, t in (rounds[-1] if rounds else [])}
 
     def routes(self) -> list[tuple[str, str]]:
         return [(method, path) for method, path, _ in self.calls]
@@ -284,7 +294,7 @@ def fake_server():
 #: before each server's push rank 0 reads the version it holds: another than the one pushed to it means it restarted
 HELD = ("GET", "/weight_info")
 PUSH = [("POST", "/pause?mode=wait"), ("POST", "/start_weight_update"), ("POST", "/update_weights"),
-        ("POST", "/finish_weight_update"), ("GET", "/weight_info"), ("POST", "/resume")]
+        ("POST", "/finish_weight_update"), ("GET", "/weight_info"), ("POST", "/weight_checker"), ("POST", "/resume")]
 
 
 def test_vllm_push_follows_the_weight_sync_protocol(fake_vllm, fake_server):
@@ -319,6 +329,26 @@ def test_vllm_push_follows_the_weight_sync_protocol(fake_vllm, fake_server):
     assert fake_server.calls[4][2] == {"weight_version": "4"}
     first = next(iter(params))
     assert torch.equal(dict(trainer.rounds[1])[first], params[first].detach().to(torch.bfloat16))
+
+
+def test_a_server_whose_weight_checker_answers_no_checksums_stops_the_push_in_one_line(fake_vllm, fake_server,
+                                                                                       monkeypatch):
+    """A ``vllm serve`` without the weight checker (or a proxy that drops its answer) cannot have its pushes verified:
+    the push fails naming it and the switch; with ``verify_pushes: false`` it is not asked."""
+    monkeypatch.setattr(fake_server, "checksums", lambda: {})
+    model = tiny_llama(vocab_size=100)
+    engine = ServerEngine(url=fake_server.url, kind="vllm", policy=lambda: model, timeout_s=10)
+    with pytest.raises(ServerError) as refused:
+        engine.load_weights(model.named_parameters(), step=1)
+    line = str(refused.value)
+    assert "\n" not in line and f"rollout server {fake_server.url}: POST /weight_checker answered" in line
+    assert "expected {'checksums'" in line and "verify_pushes: false" in line
+    assert fake_server.routes()[-1] == ("POST", "/resume")  # not left paused
+    unverified = ServerEngine(url=fake_server.url, kind="vllm", policy=lambda: model, timeout_s=10,
+                              verify_pushes=False)
+    fake_server.calls.clear()
+    unverified.load_weights(model.named_parameters(), step=2)
+    assert ("POST", "/weight_checker") not in fake_server.routes() and unverified.synced_step == 2
 
 
 def test_vllm_rollouts_one_request_per_prompt_and_version_checked(fake_vllm, fake_server):

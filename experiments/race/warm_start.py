@@ -98,7 +98,7 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
         print(f"step {len(losses)}: loss {losses[-1]:.3f}", flush=True)
     model.eval()
     args.out.mkdir(parents=True, exist_ok=True)

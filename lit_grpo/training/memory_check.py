@@ -18,8 +18,14 @@ they run only when a generous bound computed from the config (:func:`rough_upper
 The micro-batch checked is the largest the configuration allows (the prompts not counted): ``data.micro_batch_tokens``
 when set, else ``micro_batch_size`` completions of ``max_new_tokens``, within a step's completions. A fit whose
 completions happen to stay short could run where that one cannot; it is refused all the same, as the first long
-batch would kill it. Not checked: sharded or multi-process fits (a probe there would run collectives),
-and generation's own memory (the KV cache of the in-process engine).
+batch would kill it. Not checked: sharded or multi-process fits (a probe there would run collectives).
+
+Generation's own memory is checked too, for the in-process engine (``data.engine: transformers``): its KV cache
+holds, for every sequence decoding at once, keys and values of every attention layer at every position
+(:func:`kv_cache_bytes`, eq.: rows x positions x layers x 2 x kv heads x head dim x bytes; a sliding layer holds
+its window at most). The positions counted are the completion budget's, the prompts not counted: a lower bound
+again, from the config alone, so it costs nothing. With ``data.max_staleness`` >= 1 generation overlaps the update
+and the two needs add up; each is checked alone, so that bound is lower still.
 """
 
 from __future__ import annotations
@@ -180,6 +186,80 @@ def micro_batch_bound(micro_batch_tokens: int | None, micro_batch_size: int, max
     rows = micro_batch_size if rows_per_step is None else min(micro_batch_size, rows_per_step)
     what = "data.micro_batch_size" if rows == micro_batch_size else "a step's completions"
     return rows * max_new_tokens, (f"{what}={rows} x data.max_new_tokens={max_new_tokens}, prompts not counted")
+
+
+#: the attention layer kinds whose cache :func:`kv_cache_bytes` knows (other kinds, e.g. linear attention's state,
+#: are left out: a lower bound)
+KV_LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def kv_cache_bytes(config: object, rows: int, positions: int, element_size: int) -> int | None:
+    """Bytes of a decoder's KV cache for ``rows`` sequences of ``positions`` tokens: per layer 2 (keys and values)
+    x ``num_key_value_heads`` x ``head_dim`` x ``element_size`` per position. A sliding layer keeps its
+    ``sliding_window - 1`` latest positions (transformers' ``DynamicSlidingWindowLayer``); a config with a window
+    and no ``layer_types`` (Mistral's) slides on every layer. None for a config without those sizes (the check then
+    skips generation)."""
+    config = getattr(config, "text_config", None) or config
+    layers, heads, hidden = (getattr(config, name, None) for name in ("num_hidden_layers", "num_attention_heads",
+                                                                       "hidden_size"))
+    if not all(isinstance(size, int) and size > 0 for size in (layers, heads, hidden)):
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or [KV_LAYER_KINDS[1 if window else 0]] * layers
+    total = 0
+    for kind in kinds[:layers]:
+        if kind == "full_attention" or (kind == "sliding_attention" and not window):
+            total += positions
+        elif kind == "sliding_attention":
+            total += min(positions, int(window) - 1)
+    return rows * total * 2 * kv_heads * head_dim * element_size
+
+
+def generation_too_large(config: object, rows: int, max_new_tokens: int, element_size: int, available: int,
+                         where: str) -> str | None:
+    """One line when the KV cache of ``rows`` sequences decoding ``max_new_tokens`` each at once cannot fit in
+    ``available`` bytes (``where`` names where the rows come from), naming what brings it down; None when it fits
+    or the config does not say."""
+    need = kv_cache_bytes(config, rows, max_new_tokens, element_size)
+    per_row = kv_cache_bytes(config, 1, max_new_tokens, element_size)
+    if need is None or not per_row or need <= available:
+        return None
+    fits = int(0.6 * available // per_row)  # prompts and the decode step's transients come on top
+    fix = (f"set data.engine_options.max_num_seqs to at most about {fits} (sequences decoding at once)" if fits else
+           "lower data.max_new_tokens")
+    return (f"generating {rows} sequences of {max_new_tokens} new tokens at once ({where}) needs at least "
+            f"{_size(need)} of KV cache ({_size(per_row)} a sequence, prompts not counted), and {_size(available)} "
+            f"are available; {fix}")
+
+
+def check_generation_memory(module: object, trainer: object) -> None:
+    """Raise :class:`UpdateMemoryError` with :func:`generation_too_large`'s line when the in-process engine's KV
+    cache for a step's sequences cannot fit (one process; read duck-typed off the data module)."""
+    from lit_grpo.core.chunked_head import unwrapped_model
+
+    data = getattr(trainer, "datamodule", None)
+    sampling = getattr(data, "sampling", None)
+    if getattr(trainer, "world_size", 1) != 1 or sampling is None or getattr(data, "engine_kind", None) != \
+            "transformers":
+        return
+    sequences = int(data.prompts_per_step) * int(data.num_generations)
+    cap = getattr(getattr(data, "engine_options", None), "max_num_seqs", None)
+    rows, where = ((cap, f"data.engine_options.max_num_seqs={cap}") if cap is not None and cap < sequences else
+                   (sequences, f"data.prompts_per_step={data.prompts_per_step} x "
+                               f"data.num_generations={data.num_generations}"))
+    param = next(module.policy.parameters())
+    element = param.element_size()
+    if "16" in str(getattr(trainer, "precision", "")) or getattr(data.engine_options, "sampler_autocast", None):
+        element = min(element, 2)  # sampled under autocast: the projections write half-precision keys and values
+    available = available_bytes(param.device)
+    if available is None:
+        return
+    line = generation_too_large(unwrapped_model(module.policy).config, rows, sampling.max_new_tokens, element,
+                                available, where)
+    if line is not None:
+        raise UpdateMemoryError(line)
 
 
 def check_update_memory(module: object, trainer: object) -> None:

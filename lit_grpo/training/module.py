@@ -50,7 +50,7 @@ from lit_grpo.models.loading import checkpointing_call, disable_dropout, load_mo
 from lit_grpo.models.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_model_of
 from lit_grpo.training.flops import fed_tokens, parameter_count
 from lit_grpo.training.losses import LossOptions, build_loss, check_loss_inputs, check_loss_output, loss_inputs
-from lit_grpo.training.memory_check import check_update_memory
+from lit_grpo.training.memory_check import check_generation_memory, check_update_memory
 from lit_grpo.training.optim import OptimizerArgs, build_optimizer
 from lit_grpo.training.option_checks import check_head_chunk_mb, check_loss_aggregation, check_module_numbers
 from lit_grpo.training.precision import check_trainer_precision, check_weights_dtype
@@ -276,6 +276,7 @@ class GRPOModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         check_update_memory(self, self.trainer)  # refuse a micro-batch this machine cannot hold, before step 1
+        check_generation_memory(self, self.trainer)  # and a KV cache the in-process engine cannot hold
 
     # ---- parallelism --------------------------------------------------------------------------------
     def configure_model(self) -> None:

@@ -30,6 +30,7 @@ from lit_grpo.engines.remote.vllm_verify import (
     PushNotApplied,
     SentRecord,
     check_push,
+    checksums_of,
     served_digests,
     stale_warning,
 )
@@ -157,7 +158,8 @@ def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: to
                     raise ServerError(f"rollout server {server.url} reports weight version "
                                       f"{versions[server.url]!r} after a push of {str(step)!r}")
                 if source.record is not None:  # checked before any request samples from it
-                    checksums = server.client.post("/weight_checker", {"action": "checksum"})["checksums"]
+                    checksums = checksums_of(server.url,
+                                             server.client.post("/weight_checker", {"action": "checksum"}))
                     server.push_check = check_push(server.url, step, source.record, served_digests(checksums),
                                                    server.push_check)
                     if server.push_check.stale:

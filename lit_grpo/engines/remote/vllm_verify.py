@@ -80,6 +80,19 @@ class PushCheck:
     stale: tuple[str, ...] = ()
 
 
+def checksums_of(url: str, answer: object) -> dict[str, str]:
+    """The ``checksums`` mapping of a ``/weight_checker`` answer, or one line naming the server and what it answered
+    (a server without vLLM 0.32's weight checker, or a proxy in front of it)."""
+    checksums = answer.get("checksums") if isinstance(answer, dict) else None
+    if not isinstance(checksums, dict) or not checksums:
+        shown = repr(answer)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise ServerError(f"rollout server {url}: POST /weight_checker answered {shown}, expected "
+                          "{'checksums': {name: sha256, ...}} (vLLM >= 0.32; engine_options.verify_pushes: false "
+                          "turns this check off)")
+    return checksums
+
+
 def served_digests(checksums: dict[str, str]) -> dict[str, frozenset[str]]:
     """``/weight_checker``'s answer by parameter name: the digests of its ranks' copies (one per tensor parallel
     shard; a replicated norm has one). Empty parameters are left out: on a CPU vLLM packs each linear layer's weight
