@@ -170,7 +170,10 @@ def push_vllm(servers: list[ServerConnection], options: ServerOptions, dtype: to
             server.close_group()
             server.expected_version = None
             failed.append(str(err))
-            server.client.post("/resume", timeout_s=min(5.0, options.timeout_s))
+            try:  # not left paused; a server that dies now is named by the next request
+                server.client.post("/resume", timeout_s=min(5.0, options.timeout_s))
+            except ServerError:
+                pass
         except Exception as err:  # noqa: BLE001 (collected, raised on every rank together)
             versions.pop(server.url, None)
             server.close_group()  # shuts the broken group, its store and sockets down; the next push forms a new one
