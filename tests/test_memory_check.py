@@ -182,3 +182,25 @@ def test_a_fit_whose_kv_cache_cannot_fit_stops_before_any_rollout(cap: int | Non
     with pytest.raises(UpdateMemoryError, match=rf"generating {rows} sequences .*\({where}\).* about 1 \(sequences"):
         tiny_trainer(tmp_path, max_steps=1).fit(module, datamodule=data)
     assert rollouts == []
+
+
+@pytest.mark.parametrize(("precision", "autocast", "element"), [("32-true", None, 4), ("bf16-mixed", None, 2),
+                                                                   ("32-true", "bf16", 2)])
+def test_a_half_precision_sampler_is_checked_at_two_bytes_a_value(precision, autocast, element, monkeypatch) -> None:  # noqa: ANN001
+    """Under bf16 autocast (the trainer's ``bf16-mixed``, or the engine's ``sampler_autocast``) the projections
+    write half-precision keys and values: the bound counts 2 bytes a value, not the float32 weights' 4."""
+    from types import SimpleNamespace
+
+    from lit_grpo.engines.options import TransformersOptions
+
+    module = tiny_module()
+    per_row = memory_check.kv_cache_bytes(module.policy.config, 1, 1000, element)
+    data = SimpleNamespace(sampling=SimpleNamespace(max_new_tokens=1000), engine_kind="transformers",
+                           prompts_per_step=2, num_generations=4,
+                           engine_options=TransformersOptions(sampler_autocast=autocast))
+    trainer = SimpleNamespace(datamodule=data, world_size=1, precision=precision)
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: 8 * per_row)
+    memory_check.check_generation_memory(module, trainer)  # 8 sequences at this element size fit exactly
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: 8 * per_row - 1)
+    with pytest.raises(UpdateMemoryError, match="generating 8 sequences of 1000 new tokens"):
+        memory_check.check_generation_memory(module, trainer)
