@@ -17,15 +17,21 @@ The sides, each in its own process (``uneven_lengths.py`` runs them one after th
 * ``ours``: padded micro-batches of at most ``--tokens`` tokens (``data.micro_batch_tokens``), the chunked head at
   its default budget (``model.head_chunk_mb`` 256);
 * ``ours-tree``: ``model.packing`` with the same budget: each micro-batch one prefix tree, attending in blocks;
+* ``ours-tree-copy``: ``ours-tree`` with ``data.engine_options.weights: copy``: the in-process engine keeps a private
+  copy of the weights, as before it sampled from the policy itself at v = 1 (``weights: auto``); not in the default
+  set;
 * ``ours-tree-ckpt``: ``ours-tree`` with ``model.gradient_checkpointing: true`` (one layer's activations at a time in
   the backward, for one more forward); not in the default set;
 * ``ours-full-logits``: ``ours`` with ``model.head_chunk_mb: null``, the head's full logits (before the chunked head);
 * ``trl``: TRL 1.16's ``GRPOTrainer`` on the same replayed rows in float32 (``bf16=False, fp16=False``; precision
   recorded), ``--trl-micro-batch-size`` rows per forward, no gradient checkpointing, no vLLM, no Liger kernels
-  (their chunked loss needs a GPU): its best settings on a CPU.
+  (their chunked loss needs a GPU): its best settings on a CPU;
+* ``trl-ckpt``: ``trl`` with ``gradient_checkpointing=True``, beside ``ours-tree-ckpt``; not in the default set.
 
-Measured per side: peak RSS, update and generation seconds, update tokens per second (the batch's real tokens),
-and the update's share of the physical limit (its model FLOPs at the measured fp32 matmul rate). Writes
+Measured per side: peak RSS (the whole process, rollout included), the update's own peak (the resident set's peak
+from the batch's hand-over to the step's end: ours after the rollout, TRL after ``_generate_and_score_completions``,
+so ours counts pi_ref's pass and TRL's not), update and generation seconds, update tokens per second (the batch's
+real tokens), and the update's share of the physical limit (its model FLOPs at the measured fp32 matmul rate). Writes
 ``long_context.json`` (every cell's report; a later run's sides join the cells already there) and prints the table
 docs/speed.md holds.
 """
@@ -42,10 +48,13 @@ sys.path.insert(0, str(REPO_ROOT))
 
 OUTPUT_DIR = REPO_ROOT / "benchmarks" / "results" / "long_context"
 MODELS = ("smollm2", "qwen05")
-SIDES = ("ours", "ours-tree", "ours-tree-ckpt", "ours-full-logits", "trl")
-#: the sides run in an ``uneven_lengths.py`` invocation of their own: (its side, the ``--ours-args`` they add)
-OWN_RUN = {"ours-full-logits": ("ours", ["model.head_chunk_mb=null"]),
-           "ours-tree-ckpt": ("ours-tree", ["model.gradient_checkpointing=true"])}
+SIDES = ("ours", "ours-tree", "ours-tree-copy", "ours-tree-ckpt", "ours-full-logits", "trl", "trl-ckpt")
+#: the sides run in an ``uneven_lengths.py`` invocation of their own: (its side, the ``--ours-args`` they add, the
+#: further ``uneven_lengths.py`` arguments)
+OWN_RUN = {"ours-full-logits": ("ours", ["model.head_chunk_mb=null"], []),
+           "ours-tree-copy": ("ours-tree", ["data.engine_options={weights: copy}"], []),
+           "ours-tree-ckpt": ("ours-tree", ["model.gradient_checkpointing=true"], []),
+           "trl-ckpt": ("trl", [], ["--trl-gradient-checkpointing"])}
 
 
 def cell_argv(args: argparse.Namespace, model: str, budget: int, sides: list[str], ours_args: list[str],
@@ -84,11 +93,11 @@ def run_cell(args: argparse.Namespace, model: str, budget: int) -> dict:
         uneven_lengths.main(cell_argv(args, model, budget, chunked, [], out / "chunked"))
         report = json.loads((out / "chunked" / "uneven_lengths.json").read_text())
         runs.update(next(iter(report["runs"].values())))
-    for side, (runs_as, ours_args) in OWN_RUN.items():
+    for side, (runs_as, ours_args, further) in OWN_RUN.items():
         if side not in args.sides:
             continue
         folder = out / ("full" if side == "ours-full-logits" else side)
-        uneven_lengths.main(cell_argv(args, model, budget, [runs_as], ours_args, folder))
+        uneven_lengths.main(cell_argv(args, model, budget, [runs_as], ours_args, folder) + further)
         own = json.loads((folder / "uneven_lengths.json").read_text())
         runs[side] = next(iter(own["runs"].values()))[runs_as]
         report = report if chunked else own
@@ -98,8 +107,8 @@ def run_cell(args: argparse.Namespace, model: str, budget: int) -> dict:
 
 def table(cells: dict) -> str:
     """The markdown table of docs/speed.md: one line per (model, budget, side)."""
-    lines = ["| model | budget | side | peak RSS MiB | update s | generate s | update tok/s | of FLOP limit | "
-             "lengths min / median / max |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | budget | side | peak RSS MiB | update's peak MiB | update s | generate s | update tok/s | "
+             "of FLOP limit | lengths min / median / max |", "|---|---|---|---|---|---|---|---|---|---|"]
     for key, cell in cells.items():
         model, budget = key.rsplit("-", 1)
         for side in SIDES:
@@ -107,12 +116,14 @@ def table(cells: dict) -> str:
             if run is None:
                 continue
             if "error" in run:
-                lines.append(f"| {model} | {budget} | {side} | {run['error']} | | | | | |")
+                lines.append(f"| {model} | {budget} | {side} | {run['error']} | | | | | | |")
                 continue
             summary = run["summary"]
             median, lengths = summary["median"], summary["lengths"]
+            update_peak = run.get("update_peak_rss_mib")
             lines.append(f"| {model} | {budget} | {side} | {run.get('peak_rss_mib', 0):,.0f} | "
-                         f"{median['update']:.1f} | {median['generate']:.1f} | {median['update_tokens_per_s']:.1f} | "
+                         f"{f'{update_peak:,.0f}' if update_peak else 'n/a'} | {median['update']:.1f} | "
+                         f"{median['generate']:.1f} | {median['update_tokens_per_s']:.1f} | "
                          f"{summary['update_fraction_of_limit']:.2f} | {lengths['min']:.0f} / "
                          f"{lengths['median']:.0f} / {lengths['max']:.0f} |")
     return "\n".join(lines)
@@ -122,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--budgets", nargs="+", type=int, default=[1024, 2048, 4096], help="max new tokens")
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=[s for s in SIDES if s != "ours-tree-ckpt"])
+    parser.add_argument("--sides", nargs="+", choices=SIDES,
+                        default=[s for s in SIDES if s not in ("ours-tree-copy", "ours-tree-ckpt", "trl-ckpt")])
     parser.add_argument("--prompts", type=int, default=1, help="prompts per step")
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
     parser.add_argument("--steps", type=int, default=1, help="measured steps (no warm-up)")

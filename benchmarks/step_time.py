@@ -182,6 +182,25 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def reset_peak_rss() -> None:
+    """Restart the process's peak resident set (``VmHWM``) from its current one (Linux: ``/proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+
+
+def peak_rss_since_reset_mib() -> float:
+    """``VmHWM`` of ``/proc/self/status`` in MiB: the peak resident set since :func:`reset_peak_rss`."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError("/proc/self/status has no VmHWM")
+
+
+#: the peak resident set of the last step's update alone: from after its rollout (ours: the batch handed to
+#: ``training_step``; TRL: ``_generate_and_score_completions`` returned) to the step's end
+UPDATE_PEAK = {"rss_mib": 0.0}
+
 #: the high-water mark of the resident set at the end of the last training step, before either trainer tears
 #: down (Lightning's teardown moves the module and the optimizer state to the host, which TRL does not do)
 TRAINING_PEAK = {"rss_mib": 0.0}
@@ -375,6 +394,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             now = clock()
             TRAINING_PEAK["rss_mib"] = peak_rss_mib()
+            UPDATE_PEAK["rss_mib"] = peak_rss_since_reset_mib()  # reset when the step's batch was scored
             rollout = self.phase["generate_and_score"] - self.phase["reference"]
             self.steps.append({
                 "total": now - self.last_end,
@@ -415,7 +435,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
         config = GRPOConfig(
             output_dir=workdir,
             use_cpu=not on_cuda(args), bf16=args.precision == "bf16-mixed", fp16=args.precision == "16-mixed",
-            use_vllm=False, gradient_checkpointing=False,
+            use_vllm=False, gradient_checkpointing=bool(getattr(args, "trl_gradient_checkpointing", False)),
             # one generation batch of prompts x G completions per optimizer step, trained in one pass, or in
             # accumulated passes of `trl_micro_batch_size` rows where a caller sets it (memory)
             per_device_train_batch_size=per_pass, gradient_accumulation_steps=passes,
@@ -435,8 +455,22 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
             model.config._name_or_path = str(Path(workdir) / "policy")
         trainer = GRPOTrainer(model=model, reward_funcs=make_trl_reward(args.reward), args=config,
                               train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
+        # what accelerate actually runs, recorded and held to the precision asked for (TRL turns bf16 on by default)
+        effective = str(trainer.accelerator.mixed_precision)
+        expected = {"bf16-mixed": "bf16", "16-mixed": "fp16"}.get(args.precision, "no")
+        if effective != expected:
+            raise SystemExit(f"TRL runs with mixed precision {effective!r}, expected {expected!r} "
+                             f"(precision {args.precision})")
         timed(trainer, "_generate", "generate")
         timed(trainer, "_generate_and_score_completions", "generate_and_score")
+        scored = trainer._generate_and_score_completions
+
+        def scored_then_reset(*a: Any, **kw: Any) -> Any:
+            out = scored(*a, **kw)
+            reset_peak_rss()  # the update's own peak starts here (UPDATE_PEAK)
+            return out
+
+        trainer._generate_and_score_completions = scored_then_reset
         timed(trainer, "_get_per_token_logps_and_entropies", "reference", only_model=lambda: trainer.ref_model)
         start = clock()
         trainer.train()
@@ -448,6 +482,8 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
         step["truncation_rate"] = metric(logs, "completions/clipped_ratio")
         step["reward_mean"] = metric(logs, "reward")
     return {"prompt_rows": indices, "prompt_tokens_match_ours": prompts_match, "fit_seconds": fit_seconds,
+            "trl_gradient_checkpointing": config.gradient_checkpointing,
+            "trl_precision": {"bf16": config.bf16, "fp16": config.fp16, "mixed_precision": effective},
             **summarize(timer.steps, args.warmup)}
 
 
@@ -465,6 +501,7 @@ def worker(args: argparse.Namespace) -> None:
         torch.set_float32_matmul_precision("high")
     result = run_ours(args) if args.side == "ours" else run_trl(args)
     result["peak_rss_mib"] = TRAINING_PEAK["rss_mib"]  # while training: the table's figure
+    result["update_peak_rss_mib"] = UPDATE_PEAK["rss_mib"]  # the last step's update alone (TRL's side only here)
     result["peak_rss_process_mib"] = peak_rss_mib()  # to the process's end, teardown included
     result["torch_threads"] = torch.get_num_threads()
     result["float32_matmul_precision"] = torch.get_float32_matmul_precision()

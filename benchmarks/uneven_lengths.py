@@ -97,11 +97,14 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks.step_time import (  # noqa: E402  (the path above first)
     SEED,
     TRAINING_PEAK,
+    UPDATE_PEAK,
     json_safe,
     make_clock,
     metric,
     peak_rss_mib,
+    peak_rss_since_reset_mib,
     prompt_rows,
+    reset_peak_rss,
     run_trl,
     versions,
 )
@@ -147,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trl-micro-batch-size", type=int, default=None,
                         help="TRL's rows per forward (per_device_train_batch_size, the rest accumulated); default: "
                              "the whole batch in one")
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true",
+                        help="TRL with gradient_checkpointing=True (its activation checkpointing)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads per side")
     parser.add_argument("--eos-rate", type=float, default=1 / 150, help="the random model's p(EOS) per token")
     parser.add_argument("--random-model", type=Path, default=None,
@@ -431,10 +436,15 @@ def run_lit(args: argparse.Namespace) -> dict[str, Any]:
                 self.push_wait += clock() - start
             return wrapper
 
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                                 batch_idx: int) -> None:
+            reset_peak_rss()  # the batch is sampled (on_after_batch_transfer): the update's own peak starts here
+
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
             now = clock()
             TRAINING_PEAK["rss_mib"] = peak_rss_mib()
+            UPDATE_PEAK["rss_mib"] = peak_rss_since_reset_mib()
             m = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
             step = {
                 "total": now - self.last_end,
@@ -489,6 +499,8 @@ def run_lit(args: argparse.Namespace) -> dict[str, Any]:
     parameters = sum(p.numel() for p in module.policy.parameters())
     return {"prompt_rows": indices, "fit_seconds": fit_seconds, "parameters": parameters,
             "micro_batch_layout": module.micro_batch_layout,
+            # the in-process engine sampled from the policy itself (data.engine_options.weights) or from a copy
+            "engine_weights": "shared" if getattr(data.rollout_engine, "shares_policy", False) else "copy",
             "module_kwargs": {k: repr(v) for k, v in module_kwargs.items()},
             "data_kwargs": {k: repr(v) for k, v in data_kwargs.items()},
             "warmup_steps": recorder.steps[: args.warmup], "measured_steps": recorder.steps[args.warmup:]}
@@ -550,6 +562,7 @@ def worker(args: argparse.Namespace) -> None:
     result = run_trl_recorded(args) if args.side == "trl" else run_lit(args)
     result["lit_grpo_source"] = str(source)
     result["peak_rss_mib"] = TRAINING_PEAK["rss_mib"]
+    result["update_peak_rss_mib"] = UPDATE_PEAK["rss_mib"]  # the last step's update alone, after its rollout
     result["torch_threads"] = torch.get_num_threads()
     print(RESULT_MARKER + json.dumps(json_safe(result)), flush=True)
 
@@ -566,6 +579,8 @@ def worker_command(args: argparse.Namespace, side: str, mode: str, model: str, r
     ]
     if args.trl_micro_batch_size is not None:
         command += ["--trl-micro-batch-size", str(args.trl_micro_batch_size)]
+    if side == "trl" and args.trl_gradient_checkpointing:
+        command += ["--trl-gradient-checkpointing"]
     if tree is not None:
         command += ["--tree", str(tree)]
     if side.startswith("ours") and args.ours_args:

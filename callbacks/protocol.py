@@ -284,3 +284,16 @@ def full_named_tensors(module: nn.Module) -> FullParameters:
     module instead of iterating (the rollout server's push gathers FSDP2 shards to rank 0 only,
     ``lit_grpo.engines.remote.weight_gather.rank0_buckets``). Nothing is gathered until the first item is asked for."""
     return full_named_parameters(module)
+
+
+def shares_policy(engine: RolloutEngine, pl_module: object, owner: str = "WeightSync") -> bool:
+    """Whether ``engine`` samples from the module's policy itself (``shares_policy``: ``data.engine_options.weights``
+    ``shared``), so that a push would copy the policy onto itself. A ``ProtocolError`` when it says so of a model
+    that is not the module's ``policy`` (the policy was replaced after the engine was built)."""
+    if not getattr(engine, "shares_policy", False):
+        return False
+    if getattr(engine, "model", None) is not policy_of(pl_module, owner):
+        raise ProtocolError(f"{owner}: the rollout engine shares_policy but samples from another model than "
+                            f"{_module_name(pl_module)}.policy; expected the policy itself, or "
+                            "data.engine_options.weights: copy")
+    return True

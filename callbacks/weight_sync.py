@@ -10,7 +10,14 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from lit_grpo.callbacks.protocol import check_weight_sync, engine_of, full_named_tensors, policy_of, refuse_second
+from lit_grpo.callbacks.protocol import (
+    check_weight_sync,
+    engine_of,
+    full_named_tensors,
+    policy_of,
+    refuse_second,
+    shares_policy,
+)
 
 from lit_grpo.core.measured_metrics import log_measured
 from lit_grpo.engines.base import AdapterEngine, ReferenceServing, RolloutEngine
@@ -43,6 +50,8 @@ class WeightSync(Callback):
     """
 
     syncs_rollout_engine = True  # lit_grpo.engines.base.EngineSyncer: the data module warns when a fit has none
+    #: an engine that samples from the policy itself (``shares_policy``) gets no copy: the data module may build one
+    skips_shared_pushes = True
 
     def __init__(self, every_n_batches: int = 1, max_tv: float | None = None, tv_metric: str = "tv/pi_alpha",
                  engine: RolloutEngine | None = None, delay_batches: int = 0) -> None:
@@ -123,11 +132,22 @@ class WeightSync(Callback):
         """Hold the module to the protocol before the first batch (``check_weight_sync``: ``policy`` and a
         ``RolloutEngine``), and refuse a second ``WeightSync``."""
         refuse_second(self, trainer.callbacks, WeightSync)
-        check_weight_sync(trainer, pl_module, self.engine)
+        engine = check_weight_sync(trainer, pl_module, self.engine)
+        if shares_policy(engine, pl_module) and (self.every_n_batches != 1 or self.delay_batches):
+            raise ValueError(f"WeightSync(every_n_batches={self.every_n_batches}, delay_batches={self.delay_batches}) "
+                             "lets the rollout engine lag the policy, but the engine samples from the policy itself "
+                             "(shares_policy); expected every_n_batches=1 and delay_batches=0, or "
+                             "data.engine_options.weights: copy")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = engine_of(trainer, pl_module, self.engine)
         self.push_reference_if_stale(engine, pl_module)
+        if self._restored_engine_state is not None and shares_policy(engine, pl_module):
+            # a checkpoint of a run whose copy lagged, resumed on the policy itself: it samples with the policy now
+            rank_zero_warn("resuming a checkpoint that holds the rollout engine's lagging weights with an engine that "
+                           "samples from the policy itself (data.engine_options.weights); the weights are not "
+                           "loaded, so this run is not an exact continuation")
+            self._restored_engine_state = None
         if self._restored_engine_state is not None:
             engine.load_state_dict(self._restored_engine_state, step=self.last_sync_step)
             self._restored_engine_state = None
@@ -154,6 +174,10 @@ class WeightSync(Callback):
         the
         bytes sent (``sync/bytes``)."""
         policy = policy_of(pl_module)
+        if shares_policy(engine, pl_module):
+            engine.synced_step = int(step)  # it samples from the policy itself: nothing to copy
+            self.last_push_bytes = 0
+            return
         if self.delay_batches and is_lora(policy) and isinstance(engine, AdapterEngine):
             raise ValueError(f"WeightSync(delay_batches={self.delay_batches}) with a LoRA policy and an engine that "
                              "takes adapters: delayed pushes carry full weights; use data.max_staleness for "
@@ -200,7 +224,7 @@ class WeightSync(Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         engine = engine_of(trainer, pl_module, self.engine)
-        if engine.synced_step == trainer.global_step:
+        if engine.synced_step == trainer.global_step or shares_policy(engine, pl_module):
             return  # the engine holds the policy's weights: nothing extra to save
         weights = engine.state_dict()
         if weights is None:

@@ -149,7 +149,8 @@ class EngineVsPolicy(MetricsRecorder):
             return
         mine = dict(engine.model.named_parameters())
         same = all(torch.equal(mine[name], full) for name, full in full_named_parameters(pl_module.policy))
-        self.steps.append({"global_step": trainer.global_step, "synced_step": engine.synced_step, "same": same})
+        self.steps.append({"global_step": trainer.global_step, "synced_step": engine.synced_step, "same": same,
+                           "shares_policy": bool(getattr(engine, "shares_policy", False))})
 
 
 class CheckCounter(MetricsRecorder):

@@ -30,8 +30,12 @@ def two_ranks(tmp_path_factory):
         index[(strategy, "equal")] = len(jobs)
         jobs.append(equality_job(1, str(root / f"{strategy}.pt"), strategy))
         # the in-process engine takes adapters: after each push it holds the policy's base and adapter exactly
-        # (under FSDP2 its copy of the sharded policy gets the full tensors once, at the first push)
+        # (under FSDP2 its copy of the sharded policy gets the full tensors once, at the first push); a copy, since
+        # at v = 1 under DDP the engine would sample from the policy itself (data.engine_options.weights: auto)
         index[(strategy, "engine")] = len(jobs)
+        jobs.append(dict(strategy=strategy, v=1, max_steps=3, seed=0, swap_every=2, compare_engine=True,
+                         data=dict(prompts_per_step=1, engine_options={"weights": "copy"}), module=LORA))
+        index[(strategy, "shared")] = len(jobs)  # the default: the policy itself under DDP, a copy under FSDP2
         jobs.append(dict(strategy=strategy, v=1, max_steps=3, seed=0, swap_every=2, compare_engine=True,
                          data=dict(prompts_per_step=1), module=LORA))
     ranks = launch(jobs, world=2, workdir=root / "run", timeout_s=600)
@@ -69,3 +73,18 @@ def test_two_ranks_push_the_adapter_and_the_engine_follows_the_merges(two_ranks,
         # step 2 swaps after its push: the engine keeps the old adapter on the old base until the push of step 3,
         # which carries the merge; then its base and adapter are the policy's, bitwise
         assert [c["same"] for c in checks] == [True, False, True], checks
+        assert not any(c["shares_policy"] for c in checks)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_at_v1_ddp_samples_from_the_policy_itself_and_fsdp2_from_a_copy(two_ranks, strategy):
+    _, index, ranks = two_ranks
+    for rank in ranks:
+        checks = rank[index[(strategy, "shared")]]["engine_vs_policy"]
+        assert [c["shares_policy"] for c in checks] == [strategy == "ddp"] * 3, checks
+        # the policy itself is always the policy; the copy lags at step 2 (its swap came after the push)
+        assert [c["same"] for c in checks] == ([True] * 3 if strategy == "ddp" else [True, False, True]), checks
+        shared, copy = rank[index[(strategy, "shared")]]["steps"], rank[index[(strategy, "engine")]]["steps"]
+        assert len(shared) == len(copy) == 3
+        for mine, theirs in zip(shared, copy):  # the same fit, to float32's last bits
+            assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-8)

@@ -23,7 +23,8 @@ def mu_minus_alpha(sampler_autocast: str | None) -> float:
     """Mean |mu - score| over the completion tokens, with the engine built from ``data.engine_options``."""
     policy, tokenizer = load_model_and_tokenizer("tiny-random-llama")
     options = engine_options("transformers", {"sampler_autocast": sampler_autocast, "decode": "dynamic"})
-    engine = TransformersEngine(policy, eos_token_ids(tokenizer, policy), tokenizer.pad_token_id, **plain(options))
+    kwargs = {k: v for k, v in plain(options).items() if k != "weights"}  # the fit's to decide (engine_setup)
+    engine = TransformersEngine(policy, eos_token_ids(tokenizer, policy), tokenizer.pad_token_id, **kwargs)
     prompts = [tokenizer.encode(t) for t in TEXTS]
     groups = engine.generate(prompts, 4, SAMPLING, seed=3)
     padded = pad_rollouts(prompts, groups, tokenizer.pad_token_id, 4)

@@ -361,8 +361,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     def build_engine(self, module: L.LightningModule) -> RolloutEngine:
         """The rollout engine of ``data.engine`` for ``module``'s policy (``lit_grpo.data.engine_setup``)."""
+        trainer = self.trainer
+        share = engine_setup.shares_weights(self.engine_options, trainer.callbacks if trainer else [], module,
+                                            self.max_staleness, trainer.strategy if trainer else None)
         return engine_setup.build_rollout_engine(self.engine_options, module, self.tokenizer, self.max_staleness,
-                                                 self.scores_reference)
+                                                 self.scores_reference, share)
 
     def train_dataloader(self) -> DataLoader:
         # batch_size=None: the stream already yields whole batches; num_workers=0: generation needs the

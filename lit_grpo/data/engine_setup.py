@@ -21,6 +21,7 @@ from lit_grpo.data.fit_checks import (
     module_setting,
     stale_sampling,
     sync_schedule,
+    syncs_rollout_engine,
 )
 from lit_grpo.data.rollout import PaddedRollouts
 from lit_grpo.data.server_reference import ServerReference
@@ -94,11 +95,50 @@ def check_after_build(module: Any, engine: RolloutEngine, description: str) -> N
         raise ValueError(refused)
 
 
+def why_not_shared(callbacks: Sequence[Any], module: Any, max_staleness: int, strategy: Any) -> str | None:
+    """Why the in-process engine could sample with other weights than the policy's current ones at some batch, so
+    that it needs a private copy (``TransformersOptions.weights``), or ``None``: one ``WeightSync`` loads the policy
+    after every batch, nothing is generated ahead and the policy is not sharded, so a copy would equal the policy
+    whenever it samples."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    if max_staleness:
+        return f"data.max_staleness={max_staleness} samples while the policy trains"
+    if syncs_rollout_engine(module):
+        return f"{type(module).__name__} loads the engine's weights itself"
+    syncs = [c for c in callbacks if syncs_rollout_engine(c)]
+    if not syncs:
+        return "no WeightSync callback: the engine keeps the initial weights"
+    # a syncer that knows the engine may share the policy (WeightSync) skips its pushes; another would copy into it
+    if (other := next((c for c in syncs if getattr(c, "skips_shared_pushes", False) is not True), None)):
+        return f"{type(other).__name__} loads weights into the engine"
+    if syncs[0].every_n_batches != 1 or syncs[0].delay_batches:
+        return (f"WeightSync(every_n_batches={syncs[0].every_n_batches}, delay_batches={syncs[0].delay_batches}) "
+                "lets the engine lag the policy")
+    if strategy is not None and not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        return f"the {type(strategy).__name__} shards the policy (a sharded model decodes in lockstep)"
+    return None
+
+
+def shares_weights(options: EngineOptions, callbacks: Sequence[Any], module: Any, max_staleness: int,
+                   strategy: Any) -> bool:
+    """Whether the in-process engine samples from the policy itself (``TransformersOptions.weights``): ``auto``
+    where :func:`why_not_shared` finds nothing against it; ``shared`` refused in one line where it does."""
+    if not isinstance(options, TransformersOptions) or options.weights == "copy":
+        return False
+    why = why_not_shared(callbacks, module, max_staleness, strategy)
+    if why is not None and options.weights == "shared":
+        raise ValueError(f"data.engine_options.weights=shared samples from the policy itself, but {why}; expected "
+                         "weights: copy (or auto)")
+    return why is None
+
+
 def build_rollout_engine(options: EngineOptions, module: Any, tokenizer: Any, max_staleness: int,
-                         scores_reference: bool) -> RolloutEngine:
-    """The engine ``options`` name, for the LightningModule ``module``'s policy, its recompute of alpha at the
-    module's ``head_chunk_mb`` (when the module has one)."""
-    engine = _build_engine(options, module, tokenizer, max_staleness, scores_reference)
+                         scores_reference: bool, share: bool = False) -> RolloutEngine:
+    """The engine ``options`` name, for the LightningModule ``module``'s policy (``share``: the in-process engine
+    samples from the policy itself, :func:`shares_weights`), its recompute of alpha at the module's
+    ``head_chunk_mb`` (when the module has one)."""
+    engine = _build_engine(options, module, tokenizer, max_staleness, scores_reference, share)
     hparams = getattr(module, "hparams", None)
     if hparams is not None and "head_chunk_mb" in hparams:
         engine.head_chunk_mb = hparams["head_chunk_mb"]
@@ -106,13 +146,16 @@ def build_rollout_engine(options: EngineOptions, module: Any, tokenizer: Any, ma
 
 
 def _build_engine(options: EngineOptions, module: Any, tokenizer: Any, max_staleness: int,
-                  scores_reference: bool) -> RolloutEngine:
+                  scores_reference: bool, share: bool) -> RolloutEngine:
     """In-process, rollout servers over HTTP (the trainer's EOS ids stop them too) or colocated vLLM."""
     eos = eos_token_ids(tokenizer, module.policy)
     if isinstance(options, TransformersOptions):
         from lit_grpo.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(module.policy, eos, pad_token_id(tokenizer), **plain(options))
+        kwargs = plain(options)
+        kwargs.pop("weights")  # decided by the fit (``share``), see shares_weights
+        return TransformersEngine(module.policy, eos, pad_token_id(tokenizer), copy_weights=not share,
+                                  shares_policy=share, **kwargs)
     if isinstance(options, ServerOptions):
         from lit_grpo.engines.remote.client import ServerEngine
 

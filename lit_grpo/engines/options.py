@@ -19,6 +19,8 @@ from lit_grpo.core.option_groups import as_group
 SAMPLER_AUTOCAST: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16"}
 #: ``ServerOptions.kept_weights_device``'s values
 KEPT_WEIGHTS_DEVICES = ("trainer", "cpu")
+#: ``TransformersOptions.weights``'s values
+ENGINE_WEIGHTS = ("auto", "copy", "shared")
 
 
 def check_max_num_seqs(value: object) -> None:
@@ -50,6 +52,13 @@ class TransformersOptions:
         max_num_seqs: on the dynamic path, at most this many sequences decode at once; a finished sequence's slot
             takes the next waiting one (continuous batching). ``null`` (default): all of a step's sequences start at
             once. Finished sequences leave the running batch either way.
+        weights: what the engine samples with. ``copy``: a private copy of the policy's weights, which
+            ``WeightSync`` loads every v batches. ``shared``: the policy itself (no second copy in memory; a push is
+            skipped), allowed only when a copy would equal the policy whenever it samples: ``WeightSync`` with
+            ``every_n_batches: 1`` and ``delay_batches: 0``, ``data.max_staleness: 0``, a strategy that does not
+            shard the policy (one device or DDP) and a module that does not push weights itself. ``auto``
+            (default): ``shared`` where allowed, else ``copy``. The samples are the same either way; ``shared``
+            saves one copy of the weights (2 GB for a 0.5B model in float32).
     """
 
     rescore: bool = True
@@ -58,9 +67,12 @@ class TransformersOptions:
     width_multiple: int = 64
     sampler_autocast: Literal["bf16", "fp16"] | None = None
     max_num_seqs: int | None = None
+    weights: Literal["auto", "copy", "shared"] = "auto"
 
     def __post_init__(self) -> None:
         check_max_num_seqs(self.max_num_seqs)
+        if self.weights not in ENGINE_WEIGHTS:
+            raise ValueError(f"weights must be one of {ENGINE_WEIGHTS}, got {self.weights!r}")
         if self.sampler_autocast is not None and (not isinstance(self.sampler_autocast, str)
                                                   or self.sampler_autocast not in SAMPLER_AUTOCAST):
             raise ValueError(f"sampler_autocast must be one of {sorted(SAMPLER_AUTOCAST)} or null, "

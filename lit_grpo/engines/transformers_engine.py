@@ -81,6 +81,10 @@ class TransformersEngine(RolloutEngine):
     ``max_num_seqs`` (vLLM's name) caps the rows decoding at once: a freed slot takes the next waiting sequence,
     its prompt prefilled and its cache merged into the running one (continuous batching). ``None`` (default): every
     row starts at once. The static path is unchanged.
+
+    ``shares_policy`` (with ``copy_weights=False``): the model is the trainer's policy, sampled between optimizer
+    steps when a private copy would hold the same values (v = 1, nothing generated ahead): one copy of the weights
+    less, the same samples. ``WeightSync`` then records each push's step without copying (``weights: shared``).
     """
 
     def __init__(
@@ -95,8 +99,11 @@ class TransformersEngine(RolloutEngine):
         width_multiple: int = 64,
         sampler_autocast: str | None = None,
         max_num_seqs: int | None = None,
+        shares_policy: bool = False,
     ) -> None:
         check_max_num_seqs(max_num_seqs)
+        if shares_policy and copy_weights:
+            raise ValueError("shares_policy=True samples from the policy itself; expected copy_weights=False with it")
         if decode not in DECODE_MODES:
             raise ValueError(f"unknown decode {decode!r}; expected one of {DECODE_MODES}")
         if sampler_autocast is not None and (not isinstance(sampler_autocast, str)
@@ -113,6 +120,9 @@ class TransformersEngine(RolloutEngine):
         self.decode = decode
         self.static_decoder = StaticDecoder(compile=compile, width_multiple=width_multiple)
         self.owns_weights = copy_weights
+        #: the borrowed model is the trainer's policy (``data.engine_options.weights``: ``shared``): ``WeightSync``
+        #: skips its pushes, which would copy the policy onto itself (``lit_grpo.callbacks.protocol.shares_policy``)
+        self.shares_policy = shares_policy
         self._model: nn.Module | None = None if copy_weights else model
         # a private copy is made lazily from the source (see the class docstring); a borrowed model keeps its mode
         self._source: nn.Module | None = model if copy_weights else None
@@ -405,7 +415,13 @@ class TransformersEngine(RolloutEngine):
         ``sampler_autocast``: the recompute is the trainer's function of the engine's weights."""
         if not self.rescore:
             return None
-        return layout_logprobs(self.model, layout, temperature, self.head_chunk_mb)
+        model = self.model
+        was_training = model.training
+        try:  # a borrowed model (the policy itself) may be in train mode: LoRA's dropout must not enter alpha
+            model.eval()
+            return layout_logprobs(model, layout, temperature, self.head_chunk_mb)
+        finally:
+            model.train(was_training)
 
     def state_dict(self) -> dict[str, Any]:
         """The copy's weights by name; for a LoRA copy (peft names: base and adapter) also its spec (``LORA_SPEC_KEY``,
