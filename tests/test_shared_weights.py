@@ -88,6 +88,14 @@ def test_weight_sync_refuses_to_lag_an_engine_that_shares_the_policy(tmp_path):
         trainer.fit(module, datamodule=tiny_data())
 
 
+def test_an_unknown_weights_value_is_refused_in_one_line():
+    from lit_grpo.engines.options import engine_options
+
+    with pytest.raises(ValueError, match=r"^data.engine_options: weights must be one of "
+                                         r"\('auto', 'copy', 'shared'\), got 'borrow'$"):
+        engine_options("transformers", {"weights": "borrow"})
+
+
 def test_shares_policy_needs_a_borrowed_model():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="expected copy_weights=False"):

@@ -112,9 +112,9 @@ def why_not_shared(callbacks: Sequence[Any], module: Any, max_staleness: int, st
     # a syncer that knows the engine may share the policy (WeightSync) skips its pushes; another would copy into it
     if (other := next((c for c in syncs if getattr(c, "skips_shared_pushes", False) is not True), None)):
         return f"{type(other).__name__} loads weights into the engine"
-    if syncs[0].every_n_batches != 1 or syncs[0].delay_batches:
-        return (f"WeightSync(every_n_batches={syncs[0].every_n_batches}, delay_batches={syncs[0].delay_batches}) "
-                "lets the engine lag the policy")
+    interval, delay = sync_schedule(syncs)
+    if interval != 1 or delay:
+        return f"WeightSync(every_n_batches={interval}, delay_batches={delay}) lets the engine lag the policy"
     if strategy is not None and not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
         return f"the {type(strategy).__name__} shards the policy (a sharded model decodes in lockstep)"
     return None
