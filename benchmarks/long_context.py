@@ -64,6 +64,7 @@ def cell_argv(args: argparse.Namespace, model: str, budget: int, sides: list[str
             "--prompts", str(args.prompts), "--generations", str(args.generations), "--steps", str(args.steps),
             "--warmup", "0", "--threads", str(args.threads), "--packed-tokens", str(args.tokens),
             "--trl-micro-batch-size", str(args.trl_micro_batch_size), "--output-dir", str(out),
+            "--mmap-threshold-kb", args.mmap_threshold_kb,
             "--sides", *sides, "--ours-args", f"data.micro_batch_tokens={args.tokens}", *ours_args]
     if model == "qwen05":
         argv += ["--models", "random", "--random-model", str(qwen_model())]
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4096, help="ours: data.micro_batch_tokens (and the tree's)")
     parser.add_argument("--trl-micro-batch-size", type=int, default=1, help="TRL: rows per forward")
+    parser.add_argument("--mmap-threshold-kb", default="glibc",
+                        help="glibc's mmap threshold on every side (KiB; ours: host_memory.mmap_threshold_kb), or "
+                             "'glibc' (the default) for its dynamic threshold")
     parser.add_argument("--output-dir", type=Path, default=OUTPUT_DIR)
     args = parser.parse_args(argv)
     for budget in args.budgets:

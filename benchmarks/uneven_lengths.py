@@ -153,6 +153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="TRL with gradient_checkpointing=True (its activation checkpointing)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads per side")
+    parser.add_argument("--mmap-threshold-kb", default="glibc",
+                        help="glibc's mmap threshold on every side, in KiB: ours through the HostMemory callback, "
+                             "the others through MALLOC_MMAP_THRESHOLD_; 'glibc' (the default, as the command "
+                             "line's) leaves glibc's dynamic threshold")
     parser.add_argument("--eos-rate", type=float, default=1 / 150, help="the random model's p(EOS) per token")
     parser.add_argument("--random-model", type=Path, default=None,
                         help="the random model's directory (default: built on first use under "
@@ -167,6 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reward", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tree", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.mmap_threshold_kb != "glibc" and not args.mmap_threshold_kb.isdigit():
+        parser.error(f"--mmap-threshold-kb must be a number of KiB or 'glibc', got {args.mmap_threshold_kb!r}")
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     if not 0.0 < args.eos_rate < 1.0:
@@ -487,17 +493,25 @@ def run_lit(args: argparse.Namespace) -> dict[str, Any]:
     module = GRPOModule(**module_kwargs)
     data = RolloutDataModule(**data_kwargs)
     recorder = Recorder()  # after WeightSync: each step's time includes its weight push
+    if args.tree is None:
+        from lit_grpo.callbacks import HostMemory
+
+        host_memory = HostMemory(None if args.mmap_threshold_kb == "glibc" else int(args.mmap_threshold_kb))
+    else:  # an older tree has no HostMemory: its side gets the threshold through the environment
+        host_memory = Callback()
     with tempfile.TemporaryDirectory() as workdir:
         trainer = L.Trainer(
             max_steps=args.warmup + args.steps, accelerator="cpu", devices=1, precision="32-true", logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=workdir, callbacks=[WeightSync(every_n_batches=1), recorder],
+            default_root_dir=workdir, callbacks=[WeightSync(every_n_batches=1), host_memory, recorder],
         )
         start = clock()
         trainer.fit(module, datamodule=data)
         fit_seconds = clock() - start
     parameters = sum(p.numel() for p in module.policy.parameters())
     return {"prompt_rows": indices, "fit_seconds": fit_seconds, "parameters": parameters,
+            "mmap_threshold_kb": args.mmap_threshold_kb,
+            "host_memory_applied": getattr(host_memory, "applied", os.environ.get("MALLOC_MMAP_THRESHOLD_")),
             "micro_batch_layout": module.micro_batch_layout,
             # the in-process engine sampled from the policy itself (data.engine_options.weights) or from a copy
             "engine_weights": "shared" if getattr(data.rollout_engine, "shares_policy", False) else "copy",
@@ -575,7 +589,7 @@ def worker_command(args: argparse.Namespace, side: str, mode: str, model: str, r
         "--prompts", str(args.prompts), "--generations", str(args.generations),
         "--max-new-tokens", str(args.max_new_tokens), "--micro-batch-size", str(args.micro_batch_size),
         "--threads", str(args.threads), "--lengths", args.lengths, "--eos-rate", repr(args.eos_rate),
-        "--packed-tokens", str(args.packed_tokens),
+        "--packed-tokens", str(args.packed_tokens), "--mmap-threshold-kb", args.mmap_threshold_kb,
     ]
     if args.trl_micro_batch_size is not None:
         command += ["--trl-micro-batch-size", str(args.trl_micro_batch_size)]
@@ -592,6 +606,8 @@ def run_side(args: argparse.Namespace, side: str, mode: str, model: str, reward:
              ) -> dict[str, Any]:
     """One side in a subprocess (with the project's server beside it, from the same tree, when asynchronous)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if side in ("main", "trl") and args.mmap_threshold_kb != "glibc":  # read by glibc when the process starts
+        env["MALLOC_MMAP_THRESHOLD_"] = str(int(args.mmap_threshold_kb) * 1024)
     command = worker_command(args, side, mode, model, reward, tree)
     print(f"[uneven] {side} ({mode}) on {model}", file=sys.stderr, flush=True)
     server = None

@@ -8,9 +8,10 @@ one line (a ``ProtocolError``) naming the attribute and what it must be. They im
 """
 
 from lit_grpo.callbacks.hf_export import HFExport
+from lit_grpo.callbacks.host_memory import HostMemory
 from lit_grpo.callbacks.pass_at_k import GSM8KPassAtK, PassAtKEvaluation
 from lit_grpo.callbacks.protocol import ProtocolError
 from lit_grpo.callbacks.ref_swap import RefModelSwap
 from lit_grpo.callbacks.weight_sync import WeightSync
 
-__all__ = ["GSM8KPassAtK", "HFExport", "PassAtKEvaluation", "ProtocolError", "RefModelSwap", "WeightSync"]
+__all__ = ["GSM8KPassAtK", "HFExport", "HostMemory", "PassAtKEvaluation", "ProtocolError", "RefModelSwap", "WeightSync"]

@@ -43,6 +43,7 @@ FIT_OPTIONS: list[tuple[str, str, str]] = [
     ("--eval.every_n_optimizer_steps", "null", "Pass@k every N optimizer steps (null: never)"),
     ("--eval.num_samples", "50", "samples per question of Pass@k"),
     ("--eval.max_new_tokens", "null", "the evaluation's token budget (null: data.max_new_tokens)"),
+    ("--host_memory.mmap_threshold_kb", "null", "on a CPU, 1024: freed activations leave the process"),
     ("--ckpt_path", "null", "resume from a checkpoint file or sharded directory"),
 ]
 

@@ -22,7 +22,7 @@ import time
 import warnings
 from typing import Any
 
-from lit_grpo.callbacks import GSM8KPassAtK, RefModelSwap, WeightSync
+from lit_grpo.callbacks import GSM8KPassAtK, HostMemory, RefModelSwap, WeightSync
 from lit_grpo.cli.commands import DEBUG_ENV, PROG, TOOLS, UsageError, main, one_line, run
 from lit_grpo.cli.errors import OneLineErrorsCLI, held_back, report_usage_errors
 from lit_grpo.cli.hooks import build_model_last
@@ -101,6 +101,10 @@ class GRPOCLI(OneLineErrorsCLI):
         parser.add_lightning_class_args(WeightSync, "sync")
         parser.add_lightning_class_args(RefModelSwap, "ref_swap")
         parser.add_lightning_class_args(GSM8KPassAtK, "eval")
+        # process plumbing, opt-in: a long CPU update's freed activations leave the process (less memory, more
+        # page faults: docs/speed.md); `host_memory.mmap_threshold_kb: 1024` switches it on
+        parser.add_lightning_class_args(HostMemory, "host_memory")
+        parser.set_defaults({"host_memory.mmap_threshold_kb": None})
         # evaluation is opt-in on the command line: the callback's own defaults are the paper's full test split x
         # 50 samples, hours on a CPU; a config switches it on with `eval.every_n_optimizer_steps` / `at_end`
         parser.set_defaults({"eval.every_n_optimizer_steps": None, "eval.at_end": False})

@@ -233,6 +233,8 @@ OPTIONS: dict[str, str] = {
     'eval.prompt_template': 'str|null',
     'eval.chat_template': 'any',
     'eval.dataset_config': 'str|null',
+    'host_memory': 'group',
+    'host_memory.mmap_threshold_kb': 'int|null',
     'ckpt_path': 'str|null',
     'weights_only': 'bool|null',
 }
