@@ -25,7 +25,7 @@ class HostMemory(Callback):
     The price is the kernel's: every freed block that left the process is a fresh mapping, faulted in page by page,
     the next time. On SmolLM2-135M at 2,048 tokens with activation checkpointing an update took 12-25 % longer
     (system time 15.7 s against 6.3 s a process, user time unchanged), on Qwen2.5-0.5B's shape at 1,024 tokens
-    30-43 % longer, so the command line leaves it off
+    up to 43 % longer in single runs, so the command line leaves it off
     (``host_memory.mmap_threshold_kb: null``). It lowers what the process holds above what is alive, never what is
     alive: the memory check's bound (``lit_grpo.training.memory_check``) stays as it was.
     """
