@@ -10,7 +10,7 @@ from lit_grpo.core.host_memory import check_threshold_kb, fix_mmap_threshold
 
 #: 1 MiB: a layer's activations at long context (MiBs each) get their own mappings, returned when freed, while the
 #: many small tensors (a row's log-probs, the optimizer's scalars) stay in the heap. SmolLM2-135M at 4,096 new
-#: tokens with activation checkpointing peaks at 3.3 GB with it against 4.9 GB with glibc's default; 4 MiB keeps
+#: tokens with activation checkpointing peaks at 3.3 GB with it against 4.7-4.9 with glibc's default; 4 MiB keeps
 #: less of that saving (at 2,048 tokens: 3.1 GB against 2.8 and 3.8), 16 MiB none (docs/speed.md)
 DEFAULT_MMAP_THRESHOLD_KB = 1024
 

@@ -7,7 +7,7 @@ dynamic: each freed mmapped block raises it to that block's size, up to 32 MiB. 
 activations, every tensor of a micro-batch under 32 MiB is in the heap. At 4,096 tokens those tensors are a
 SmolLM2-135M layer's activations (9-24 MiB each). Their freed pages are then retained between layers and
 micro-batches, so the process grows by gigabytes above what is alive at any moment: SmolLM2-135M at 4,096 new tokens
-with activation checkpointing peaks at 4.9-5.2 GB with glibc's default against 3.3 GB with a fixed 1 MiB threshold
+with activation checkpointing peaks at 4.7-5.2 GB with glibc's default against 3.3 GB with a fixed 1 MiB threshold
 (docs/speed.md, "Freed memory back to the system").
 
 :func:`fix_mmap_threshold` sets the threshold once for the process with ``mallopt`` (which also turns the dynamic
@@ -19,7 +19,6 @@ it returns why.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
