@@ -22,6 +22,8 @@ The sides, each in its own process (``uneven_lengths.py`` runs them one after th
   set;
 * ``ours-tree-ckpt``: ``ours-tree`` with ``model.gradient_checkpointing: true`` (one layer's activations at a time in
   the backward, for one more forward); not in the default set;
+* ``ours-tree-sac``: ``ours-tree`` with ``model.gradient_checkpointing: selective`` (the matrix products' and
+  attention's outputs kept, the elementwise operations recomputed); not in the default set;
 * ``ours-full-logits``: ``ours`` with ``model.head_chunk_mb: null``, the head's full logits (before the chunked head);
 * ``trl``: TRL 1.16's ``GRPOTrainer`` on the same replayed rows in float32 (``bf16=False, fp16=False``; precision
   recorded), ``--trl-micro-batch-size`` rows per forward, no gradient checkpointing, no vLLM, no Liger kernels
@@ -48,12 +50,16 @@ sys.path.insert(0, str(REPO_ROOT))
 
 OUTPUT_DIR = REPO_ROOT / "benchmarks" / "results" / "long_context"
 MODELS = ("smollm2", "qwen05")
-SIDES = ("ours", "ours-tree", "ours-tree-copy", "ours-tree-ckpt", "ours-full-logits", "trl", "trl-ckpt")
+SIDES = ("ours", "ours-tree", "ours-tree-copy", "ours-tree-ckpt", "ours-tree-sac", "ours-full-logits", "trl",
+         "trl-ckpt")
+#: the sides a run takes only when named in ``--sides``
+OPT_IN_SIDES = ("ours-tree-copy", "ours-tree-ckpt", "ours-tree-sac", "trl-ckpt")
 #: the sides run in an ``uneven_lengths.py`` invocation of their own: (its side, the ``--ours-args`` they add, the
 #: further ``uneven_lengths.py`` arguments)
 OWN_RUN = {"ours-full-logits": ("ours", ["model.head_chunk_mb=null"], []),
            "ours-tree-copy": ("ours-tree", ["data.engine_options={weights: copy}"], []),
            "ours-tree-ckpt": ("ours-tree", ["model.gradient_checkpointing=true"], []),
+           "ours-tree-sac": ("ours-tree", ["model.gradient_checkpointing=selective"], []),
            "trl-ckpt": ("trl", [], ["--trl-gradient-checkpointing"])}
 
 
@@ -65,7 +71,7 @@ def cell_argv(args: argparse.Namespace, model: str, budget: int, sides: list[str
             "--warmup", "0", "--threads", str(args.threads), "--packed-tokens", str(args.tokens),
             "--trl-micro-batch-size", str(args.trl_micro_batch_size), "--output-dir", str(out),
             "--mmap-threshold-kb", args.mmap_threshold_kb,
-            "--sides", *sides, "--ours-args", f"data.micro_batch_tokens={args.tokens}", *ours_args]
+            "--sides", *sides, "--ours-args", f"data.micro_batch_tokens={args.tokens}", *args.ours_args, *ours_args]
     if model == "qwen05":
         argv += ["--models", "random", "--random-model", str(qwen_model())]
     else:
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--budgets", nargs="+", type=int, default=[1024, 2048, 4096], help="max new tokens")
     parser.add_argument("--sides", nargs="+", choices=SIDES,
-                        default=[s for s in SIDES if s not in ("ours-tree-copy", "ours-tree-ckpt", "trl-ckpt")])
+                        default=[s for s in SIDES if s not in OPT_IN_SIDES])
     parser.add_argument("--prompts", type=int, default=1, help="prompts per step")
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
     parser.add_argument("--steps", type=int, default=1, help="measured steps (no warm-up)")
@@ -145,6 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mmap-threshold-kb", default="glibc",
                         help="glibc's mmap threshold on every side (KiB; ours: host_memory.mmap_threshold_kb), or "
                              "'glibc' (the default) for its dynamic threshold")
+    parser.add_argument("--ours-args", nargs="*", default=[],
+                        help="further overrides for every side of ours, e.g. model.optimizer.fused=true (TRL's "
+                             "default AdamW kernel is the fused one)")
     parser.add_argument("--output-dir", type=Path, default=OUTPUT_DIR)
     args = parser.parse_args(argv)
     for budget in args.budgets:

@@ -484,6 +484,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     return {"prompt_rows": indices, "prompt_tokens_match_ours": prompts_match, "fit_seconds": fit_seconds,
             "trl_gradient_checkpointing": config.gradient_checkpointing,
             "trl_precision": {"bf16": config.bf16, "fp16": config.fp16, "mixed_precision": effective},
+            "trl_optim": str(getattr(config.optim, "value", config.optim)),  # TRL's default: the fused AdamW kernel
             **summarize(timer.steps, args.warmup)}
 
 

@@ -64,6 +64,11 @@ def two_ranks(tmp_path_factory):
                                    micro_batch_size=2)  # the first micro-batch's backward without a reduction
             chunked["module"]["head_chunk_mb"] = 5.5 * 4 * 100 / 2**20
             jobs.append(chunked)
+            # selective checkpointing with the layers sharded: the recompute runs inside FSDP2's unsharded layer
+            index[(strategy, "selective")] = len(jobs)
+            selective = equality_job(True, "token_mean", 1, str(root / f"{strategy}-selective.pt"), strategy)
+            selective["module"]["gradient_checkpointing"] = "selective"
+            jobs.append(selective)
         index[(strategy, "v1")] = len(jobs)
         jobs.append(dict(strategy=strategy, v=1, max_steps=3, data=dict(prompts_per_step=1,
                                                                         reuse_policy_logprobs=False)))
@@ -126,6 +131,15 @@ def test_fsdp2_with_the_head_in_chunks_equals_one_rank_with_the_full_logits(two_
     two = ranks[0][index[("fsdp2", "chunked")]]
     assert two["sharded"]
     assert_two_ranks_equal_one_rank(two, root / "fsdp2-chunked.pt", True, "token_mean", tmp_path, 2)
+
+
+def test_fsdp2_with_selective_checkpointing_equals_one_rank_without(two_ranks, tmp_path):
+    """``model.gradient_checkpointing: selective`` under FSDP2 (each decoder layer its own unit, gathered for the
+    backward's recompute): the same update as one process that keeps every activation."""
+    root, index, ranks = two_ranks
+    two = ranks[0][index[("fsdp2", "selective")]]
+    assert two["sharded"]
+    assert_two_ranks_equal_one_rank(two, root / "fsdp2-selective.pt", True, "token_mean", tmp_path, 4)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -21,7 +21,7 @@ FIT_OPTIONS: list[tuple[str, str, str]] = [
     ("--model.dtype", "float32", "the policy's dtype"),
     ("--model.beta", "0.0", "the KL weight of eq. 7; 0 loads no reference model"),
     ("--model.iterations_per_batch", "1", "i: updates on each rollout batch"),
-    ("--model.gradient_checkpointing", "false", "recompute activations in the backward (long contexts)"),
+    ("--model.gradient_checkpointing", "false", "true or selective: recompute activations (long contexts)"),
     ("--model.loss", "grpo", "grpo, gspo, cispo, the REC / RED / REP family (docs/losses.md)"),
     ("--model.lora", "null", "LoRA adapters instead of every weight, {r: 8} (docs/lora.md)"),
     ("--model.packing", "false", "each micro-batch as one packed row, no padding (with micro_batch_tokens)"),

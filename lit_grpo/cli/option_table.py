@@ -64,7 +64,7 @@ OPTIONS: dict[str, str] = {
     'model.optimizer.schedule': "'constant'|'linear'|'cosine'",
     'model.optimizer.fused': 'bool',
     'model.gradient_clip_val': 'float|null',
-    'model.gradient_checkpointing': 'bool',
+    'model.gradient_checkpointing': "bool|'selective'",
     'model.log_entropy': 'bool',
     'model.log_completions_every_n_steps': 'int|null',
     'model.loss': 'str',

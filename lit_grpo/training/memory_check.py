@@ -168,7 +168,7 @@ def update_too_large(memory: UpdateMemory, tokens: int, available: int, where: s
     return (f"the update of a micro-batch of {tokens} tokens ({where}) needs at least {_size(need)} beyond what this "
             f"process holds (measured: {memory.slope / 2**20:.3f} MiB of activations per token, plus the optimizer's "
             f"state and the lm head's logits), and {_size(available)} are available; {fix}, or bring the per-token "
-            "cost down with model.gradient_checkpointing: true (or a smaller model.head_chunk_mb)")
+            "cost down with model.gradient_checkpointing: true (or selective, or a smaller model.head_chunk_mb)")
 
 
 def _size(nbytes: float) -> str:

@@ -45,6 +45,7 @@ from lit_grpo.math.entropy_terms import (
     high_entropy_mask,
 )
 from lit_grpo.math.tv import tv_estimate
+from lit_grpo.models.checkpointing import Checkpointing, check_checkpointing, enable_checkpointing
 from lit_grpo.models.copies import frozen_copy
 from lit_grpo.models.loading import checkpointing_call, disable_dropout, load_model_and_tokenizer
 from lit_grpo.models.lora import LoraArgs, apply_lora, is_lora, merge_log, peft_model_of
@@ -83,6 +84,8 @@ class GRPOModule(L.LightningModule):
         log_completions_every_n_steps: log a table of sampled completions (prompt, answer, rewards, advantage)
             to every logger that takes one, every N training steps (None: never; ``completion_table``).
         optimizer: AdamW and its schedule (``lr``, ``weight_decay``, ``betas``, ``warmup_steps``, ``schedule``).
+        gradient_checkpointing: recompute activations in the backward: ``true`` each decoder layer's forward,
+            ``selective`` only its elementwise operations (``lit_grpo.models.checkpointing``; docs/speed.md).
         lora: train LoRA adapters (``r``, ``alpha``, ``dropout``, ``target_modules``; ``lit_grpo.models.lora.LoraArgs``)
             instead of every weight; None: full fine-tuning. With LoRA no reference copy is made: pi_ref is the
             policy with its adapter switched off, and the optimizer holds the adapters only.
@@ -146,7 +149,7 @@ class GRPOModule(L.LightningModule):
         max_completion_length: int = 200,
         optimizer: OptimizerArgs = OptimizerArgs(),  # noqa: B008 (frozen: a shared default is safe)
         gradient_clip_val: float | None = 1.0,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: Checkpointing = False,
         log_entropy: bool = True,
         log_completions_every_n_steps: int | None = 50,
         loss: str = "grpo",
@@ -167,6 +170,7 @@ class GRPOModule(L.LightningModule):
         check_module_numbers(iterations_per_batch, temperature, max_completion_length, peak_flops)
         check_loss_aggregation(loss_aggregation)
         check_head_chunk_mb(head_chunk_mb)
+        check_checkpointing(gradient_checkpointing)
         if loss == "luspo" and loss_aggregation != "seq_mean_token_sum":
             raise ValueError(f"model.loss 'luspo' scales each sequence's loss by its length, which is "
                              f"loss_aggregation 'seq_mean_token_sum'; got {loss_aggregation!r}: set "
@@ -221,13 +225,8 @@ class GRPOModule(L.LightningModule):
         self._reference_served = False
         self._grad_norms: list[torch.Tensor] = []
         self._micro_batches_per_step = 1  # the entropy bonus's share of a step (set by each training_step)
-        if gradient_checkpointing:
-            # the reference copy is a plain copy: it never recomputes (no grad) and keeps its KV cache
-            checkpointing_call(self.policy, "enable")()
-            if self.lora_args is not None:
-                # frozen embeddings give outputs without grad: reentrant checkpointing (transformers 4's default)
-                # would then pass no gradient to the adapters inside the recomputed blocks
-                self.policy.enable_input_require_grads()
+        # the reference copy is a plain copy: it never recomputes (no grad) and keeps its KV cache
+        enable_checkpointing(self.policy, gradient_checkpointing)
 
     # ---- the frozen reference pi_ref ----------------------------------------------------------------
     @property
