@@ -26,7 +26,9 @@ The sides, each in its own process (``uneven_lengths.py`` runs them one after th
   attention's outputs kept, the elementwise operations recomputed); not in the default set;
 * ``ours-full-logits``: ``ours`` with ``model.head_chunk_mb: null``, the head's full logits (before the chunked head);
 * ``trl``: TRL 1.16's ``GRPOTrainer`` on the same replayed rows in float32 (``bf16=False, fp16=False``; precision
-  recorded), ``--trl-micro-batch-size`` rows per forward, no gradient checkpointing, no vLLM, no Liger kernels
+  and AdamW kernel recorded), its default fused AdamW (ours takes the same kernel: ``--ours-adamw fused``, the
+  default; ``loop`` is ours' own default, which the tables of earlier runs used), ``--trl-micro-batch-size`` rows
+  per forward, no gradient checkpointing, no vLLM, no Liger kernels
   (their chunked loss needs a GPU): its best settings on a CPU;
 * ``trl-ckpt``: ``trl`` with ``gradient_checkpointing=True``, beside ``ours-tree-ckpt``; not in the default set.
 
@@ -71,7 +73,8 @@ def cell_argv(args: argparse.Namespace, model: str, budget: int, sides: list[str
             "--warmup", "0", "--threads", str(args.threads), "--packed-tokens", str(args.tokens),
             "--trl-micro-batch-size", str(args.trl_micro_batch_size), "--output-dir", str(out),
             "--mmap-threshold-kb", args.mmap_threshold_kb,
-            "--sides", *sides, "--ours-args", f"data.micro_batch_tokens={args.tokens}", *args.ours_args, *ours_args]
+            "--sides", *sides, "--ours-args", f"data.micro_batch_tokens={args.tokens}",
+            f"model.optimizer.fused={str(args.ours_adamw == 'fused').lower()}", *args.ours_args, *ours_args]
     if model == "qwen05":
         argv += ["--models", "random", "--random-model", str(qwen_model())]
     else:
@@ -151,9 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mmap-threshold-kb", default="glibc",
                         help="glibc's mmap threshold on every side (KiB; ours: host_memory.mmap_threshold_kb), or "
                              "'glibc' (the default) for its dynamic threshold")
+    parser.add_argument("--ours-adamw", choices=("fused", "loop"), default="fused",
+                        help="ours' AdamW kernel (model.optimizer.fused); fused is TRL's default (optim "
+                             "adamw_torch_fused), so the two sides step alike; loop is ours' own default")
     parser.add_argument("--ours-args", nargs="*", default=[],
-                        help="further overrides for every side of ours, e.g. model.optimizer.fused=true (TRL's "
-                             "default AdamW kernel is the fused one)")
+                        help="further overrides for every side of ours (model.x=y)")
     parser.add_argument("--output-dir", type=Path, default=OUTPUT_DIR)
     args = parser.parse_args(argv)
     for budget in args.budgets:

@@ -8,7 +8,8 @@ Skipped without CUDA, so CI and CPU machines run none of it.
 - 16-bit weights (bf16-true) refused in every strategy;
 - a frozen policy at v = 4 in bf16-mixed and 16-mixed: the ratio within 1e-3 of 1 at lagging steps;
 - ``serve --device cuda``: a push arrives bit for bit and rollouts come back;
-- ``export`` of a checkpoint trained on the GPU.
+- ``export`` of a checkpoint trained on the GPU;
+- selective activation checkpointing with CUDA's sdpa kernels, float32 and bf16.
 """
 
 from __future__ import annotations
@@ -184,3 +185,33 @@ def test_compiled_static_decoding_on_cuda_matches_the_dynamic_path():
     sampled = compiled.generate(prompts, 4, SamplingConfig(max_new_tokens=24, temperature=1.0), seed=1)
     assert len({tuple(c.token_ids) for g in sampled for c in g}) > 1
     assert compiled.static_decoder.seen_shapes  # the compile time was measured (and logged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_checkpointing_on_cuda_keeps_less_for_the_same_gradients(dtype):
+    """``model.gradient_checkpointing: selective`` with CUDA's sdpa kernels (flash or memory-efficient, kept by the
+    policy): the forward leaves less for the backward, and the gradients are those without checkpointing (within
+    the kernels' own run-to-run spread: their backward accumulates in parallel)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lit_grpo.models.checkpointing import enable_checkpointing
+
+    results = {}
+    for mode in (False, "selective"):
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=2, vocab_size=128)
+        config._attn_implementation = "sdpa"
+        model = AutoModelForCausalLM.from_config(config).to("cuda", dtype).train()
+        enable_checkpointing(model, mode)
+        ids = torch.randint(0, 128, (2, 512), generator=torch.Generator().manual_seed(1)).cuda()
+        before = torch.cuda.memory_allocated()
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        kept = torch.cuda.memory_allocated() - before
+        torch.log_softmax(model.lm_head(hidden).float(), -1)[..., :7].sum().backward()
+        results[mode] = kept, {n: p.grad.float() for n, p in model.named_parameters()}
+    (kept, grads), (sac_kept, sac_grads) = results[False], results["selective"]
+    assert sac_kept < 0.8 * kept, (sac_kept, kept)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for name, grad in grads.items():
+        assert (sac_grads[name] - grad).abs().max() <= tolerance * grad.abs().max() + 1e-8, name
