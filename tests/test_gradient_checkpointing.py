@@ -51,12 +51,17 @@ def test_fit_with_checkpointing_matches_fit_without(tmp_path):
 # ---- selective checkpointing (`model.gradient_checkpointing: selective`) ------------------------------------------
 
 
-# tiny members of three families: Llama's RMSNorm and SwiGLU, Qwen3's per-head q/k norms, GPT-NeoX's LayerNorm,
-# GELU and parallel residual
+# tiny members of several families: Llama's RMSNorm and SwiGLU, Qwen3's per-head q/k norms, Gemma's scaled
+# embeddings and GeGLU, Phi-3's fused projections, GPT-NeoX's parallel residual, GPT-2's Conv1D (addmm) layers, OPT's
+# learned positions and ReLU
 FAMILIES = {
     "llama": dict(model_type="llama", num_key_value_heads=2),
     "qwen3": dict(model_type="qwen3", num_key_value_heads=2, head_dim=16),
+    "gemma": dict(model_type="gemma", num_key_value_heads=2, head_dim=16),
+    "phi3": dict(model_type="phi3", num_key_value_heads=2, pad_token_id=0),
     "gpt_neox": dict(model_type="gpt_neox"),
+    "gpt2": dict(model_type="gpt2", n_inner=160),
+    "opt": dict(model_type="opt", ffn_dim=160, word_embed_proj_dim=64),
 }
 
 
@@ -75,8 +80,7 @@ def _forward_backward(model: torch.nn.Module, tokens: int) -> tuple[torch.Tensor
     """Logits, gradients, and the bytes the forward left alive for the backward."""
     ids = torch.randint(0, 96, (2, tokens), generator=torch.Generator().manual_seed(1))
     with PeakLiveBytes() as meter:
-        hidden = model.model(input_ids=ids).last_hidden_state if hasattr(model, "model") else \
-            model.gpt_neox(input_ids=ids).last_hidden_state
+        hidden = model.base_model(input_ids=ids).last_hidden_state
         kept = meter.live
         logits = model.get_output_embeddings()(hidden)
         torch.log_softmax(logits.float(), -1)[..., :7].sum().backward()
@@ -160,3 +164,18 @@ def test_the_command_line_takes_selective_and_refuses_other_words(tmp_path, monk
     line = refusal_line(["fit", "--model.model_name", "tiny-random-llama", "--model.gradient_checkpointing",
                          "sometimes"], tmp_path, monkeypatch, capsys)
     assert "model.gradient_checkpointing" in line and "sometimes" in line, line
+
+
+def test_selective_checkpointing_under_bf16_autocast_gives_the_same_gradients():
+    """bf16-mixed (float32 weights, autocast): the recompute runs under the forward's autocast state, so the casts
+    and the elementwise operations give the same values again."""
+    results = {}
+    for mode in (False, "selective"):
+        model = _family_model("llama", torch.float32, mode)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results[mode] = _forward_backward(model, tokens=96)
+    (logits, grads, kept), (sac_logits, sac_grads, sac_kept) = results[False], results["selective"]
+    assert logits.dtype == torch.bfloat16 and torch.equal(sac_logits, logits)
+    for name, grad in grads.items():
+        assert torch.equal(sac_grads[name], grad), name
+    assert sac_kept < 0.8 * kept
