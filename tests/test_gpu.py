@@ -9,11 +9,13 @@ Skipped without CUDA, so CI and CPU machines run none of it.
 - a frozen policy at v = 4 in bf16-mixed and 16-mixed: the ratio within 1e-3 of 1 at lagging steps;
 - ``serve --device cuda``: a push arrives bit for bit and rollouts come back;
 - ``export`` of a checkpoint trained on the GPU;
-- selective activation checkpointing with CUDA's sdpa kernels, float32 and bf16.
+- selective activation checkpointing with CUDA's sdpa kernels, float32 and bf16;
+- the prefix tree through flash-attn's variable-length kernel against sdpa's dense tree, bf16 (needs flash-attn).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -215,3 +217,34 @@ def test_selective_checkpointing_on_cuda_keeps_less_for_the_same_gradients(dtype
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     for name, grad in grads.items():
         assert (sac_grads[name] - grad).abs().max() <= tolerance * grad.abs().max() + 1e-8, name
+
+
+def test_flash_tree_matches_sdpas_dense_tree_in_bf16():
+    """The prefix tree through flash-attn's own variable-length kernel (``lit_grpo.core.tree_flash``) against sdpa
+    over the dense mask, bf16 on CUDA: log-probs and gradients within bf16's rounding (on a CPU the same path runs
+    through the float32 stand-in of tests/flash_reference.py)."""
+    pytest.importorskip("flash_attn", reason="needs the flash-attn package")
+    from test_prefix_tree import shared_turns_micro_batch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lit_grpo.core.packing import packed_completion_logprobs
+
+    mb = shared_turns_micro_batch()
+    mb = dataclasses.replace(mb, **{f.name: getattr(mb, f.name).cuda() for f in dataclasses.fields(mb)
+                                    if isinstance(getattr(mb, f.name), torch.Tensor)})
+    results = {}
+    for attn in ("sdpa", "flash_attention_2"):
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=2, vocab_size=128, initializer_range=0.2)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).to("cuda", torch.bfloat16)
+        logp = packed_completion_logprobs(model, mb, 1.0, layout="packed_tree", dense_mask=attn == "sdpa")[0]
+        (logp.float() * mb.loss_mask).sum().backward()
+        results[attn] = logp.float(), {n: p.grad.float() for n, p in model.named_parameters()}
+        if attn != "sdpa":
+            assert model.config._attn_implementation == "flash_attention_2:lit_grpo_tree"
+    (dense, dense_grads), (flash, flash_grads) = results["sdpa"], results["flash_attention_2"]
+    real = mb.completion_mask.bool()
+    assert (flash[real] - dense[real]).abs().max() <= 5e-2
+    for name, grad in dense_grads.items():
+        assert (flash_grads[name] - grad).abs().max() <= 3e-2 * grad.abs().max() + 1e-6, name

@@ -222,9 +222,9 @@ def test_gradient_matches_the_per_row_reference(name: str, attn: str) -> None:
 
 
 def test_the_refusal_depends_on_the_attention_that_needs_the_mask() -> None:
-    """Under flash attention the packed sequences are kept apart in the attention call, from the position ids the
-    layers receive, not by the mask: OPT's mask without position ids is no reason to refuse it there (flash
-    attention itself is not run on a CPU)."""
+    """Under flash attention the packed sequences are kept apart in the attention call, by the segments the layers
+    are handed (``lit_grpo.core.tree_flash``), not by the mask: OPT's mask without position ids is no reason to
+    refuse it there (run through a CPU stand-in for the kernel in tests/test_tree_flash.py)."""
     model = build("opt", "sdpa")
     for attn in ("sdpa", "eager", "flex_attention"):
         model.config._attn_implementation = attn

@@ -206,9 +206,13 @@ def test_flex_attention_gradient_equals_the_padded_path_on_cuda() -> None:
 def test_which_models_pack_as_a_tree() -> None:
     model = llama("sdpa")
     assert tree_supported(model.config) is None and packed_layout_kind(model) == "packed_tree"
-    model.config._attn_implementation = "flash_attention_2"
+    model.config._attn_implementation = "flash_attention_2"  # no mask: the tree's segments (tests/test_tree_flash.py)
+    assert tree_supported(model.config, model) is None and packed_layout_kind(model) == "packed_tree"
+    model.config._attn_implementation = "flash_attention_2:lit_grpo_tree"  # the function it is routed to
+    assert tree_supported(model.config, model) is None and packed_layout_kind(model) == "packed_tree"
+    model.config._attn_implementation = "paged|sdpa"
     reason = tree_supported(model.config)
-    assert reason is not None and "'flash_attention_2'" in reason and "\n" not in reason
+    assert reason is not None and "'paged|sdpa'" in reason and "\n" not in reason
     assert packed_layout_kind(model) == "packed"
     model.config._attn_implementation = "sdpa"
     # Llama ignores a sliding_window setting (its decoder builds no sliding mask): the tree stays full; without the

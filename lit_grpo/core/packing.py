@@ -15,12 +15,13 @@ Which attention implementations keep the sequences apart (read in transformers 5
   flex_attention as a ``BlockMask``, whose fully masked blocks are skipped. This needs the model to hand its
   ``position_ids`` to the mask builder; OPT, BioGPT, XGLM and GPT-OSS do not (their mask is then plain causal over
   the whole row), and :func:`packing_supported` refuses them under these three implementations.
-* ``flash_attention_2/3/4``: the mask builder returns ``None``; the attention call itself sees ``position_ids``
-  (``_is_packed_sequence``, batch size 1) and runs ``flash_varlen_fn`` with ``cu_seqlens`` taken from the positions
-  equal to 0 (``prepare_fa_kwargs_from_position_ids``): no mask at all, cost ``sum L_i^2`` in attention. This needs
-  the model to hand ``position_ids`` down to its attention layers, which Llama-family models do (checked for
-  Llama: the decoder layer passes them, the attention forwards its ``**kwargs``); a model that drops them on the
-  way would attend across sequences under flash attention only. Not run here (no GPU): read from the source.
+* ``flash_attention_2/3/4``: the mask builder returns ``None``. transformers would infer ``cu_seqlens`` from the
+  ``position_ids`` an attention call sees, but a model that does not hand them to its layers (XGLM in 5.24) then
+  attends across sequences. Here the row's layers are handed its segments instead, each sequence its own, in
+  ``**kwargs`` (:func:`lit_grpo.core.tree_flash.chain_segments`): no mask, cost ``sum L_i^2`` in attention, and a
+  layer not handed them raises. :func:`packing_supported` refuses a model whose attention does not go through
+  transformers' ``AttentionInterface`` or whose layer calls it without ``**kwargs``. Run here through a CPU
+  stand-in for the kernel (``tests/test_tree_flash.py``); the kernel itself needs a GPU.
 * Any other implementation (a kernel from the hub, ``paged|...``, one registered by a user) is not in
   ``ALL_MASK_ATTENTION_FUNCTIONS``: transformers builds no mask for it and nothing keeps the sequences apart.
   :func:`packing_supported` refuses it.
@@ -31,9 +32,9 @@ packed row of 8k tokens computes (and on a CPU materialises) 64M scores per head
 fewer. For long micro-batches on sdpa keep the token budget moderate; flash attention and flex attention pay only
 for the blocks that attend.
 
-That is the layout under flash attention (and for chunked-attention layers): each completion carries its own copy
-of its prompt. Under sdpa, eager and flex attention a micro-batch packs as a prefix tree instead, each group's prompt
-once (:mod:`lit_grpo.core.prefix_tree`); :func:`packed_layout_kind` says which a model gets.
+That is the layout for chunked-attention layers: each completion carries its own copy of its prompt. Elsewhere a
+micro-batch packs as a prefix tree instead, each group's prompt once (:mod:`lit_grpo.core.prefix_tree`; under flash
+attention :mod:`lit_grpo.core.tree_flash`); :func:`packed_layout_kind` says which a model gets.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from lit_grpo.core.chunked_head import (
 from lit_grpo.core.chunked_head import unwrapped_model as _unwrapped
 from lit_grpo.core.mask_positions import mask_built_without_positions
 from lit_grpo.core.prefix_tree import tree_forward, tree_layout, tree_supported, tree_token_count
+from lit_grpo.core.tree_flash import chain_segments, segments_forward, tree_flash_unsupported, uses_flash
 from lit_grpo.math.logprobs import logprobs_and_entropy
 
 #: attention implementations whose transformers code path separates packed sequences by their position ids
@@ -94,7 +96,7 @@ def packing_supported(model: nn.Module) -> str | None:
     if not hasattr(masking_utils, "find_packed_sequence_indices"):
         return "packing needs a transformers that detects packed sequences (masking_utils.find_packed_sequence_indices)"
     attn = getattr(config, "_attn_implementation", None)
-    if attn not in PACKING_ATTENTION:
+    if attn not in PACKING_ATTENTION and not uses_flash(attn):
         return (f"packing needs one of the attention implementations {', '.join(PACKING_ATTENTION)}; the model uses "
                 f"{attn!r}, which ignores packed position ids")
     if getattr(config, "is_encoder_decoder", False):
@@ -113,6 +115,8 @@ def packing_supported(model: nn.Module) -> str | None:
     layer_types = set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYERS
     if layer_types:
         return f"packing needs attention-only layers; {type(base).__name__} has {', '.join(sorted(layer_types))}"
+    if uses_flash(attn):  # the kernel keeps the sequences apart by the segments the row's layers are handed
+        return tree_flash_unsupported(config, base)
     return None
 
 
@@ -195,6 +199,9 @@ def packed_completion_logprobs(
     with head_gathered(model) if chunk is not None else contextlib.nullcontext():
         if layout == "packed_tree":
             out = tree_forward(model, _unwrapped(model).config._attn_implementation, tree, dense_mask, **head)
+        elif uses_flash(_unwrapped(model).config._attn_implementation):  # each sequence a segment of its own
+            out = segments_forward(model, _unwrapped(model), input_ids, position_ids, chain_segments(position_ids[0]),
+                                   **head)
         else:
             out = model(
                 input_ids=input_ids,

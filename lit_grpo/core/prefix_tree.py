@@ -28,11 +28,13 @@ path's numbers, within kernel rounding. Which attention implementations take suc
   2.13's ``create_mask``) before it keeps only the blocks' indices, so its peak memory is sdpa's mask's (not compiled
   here: ``torch.compile(create_block_mask)``, torch's way to fuse that step away, is untested on a GPU). torch 2.13
   runs flex attention's forward on a CPU but not its backward: a gradient pass with flex needs an accelerator.
-* flash attention takes no mask (only ``cu_seqlens`` of disjoint sequences): it keeps the copies layout, as does a
-  model with chunked layers, whose chunks a custom mask would replace, and flex attention on a sliding-window model
-  (:func:`tree_supported`). Sliding-window layers under sdpa and eager take the rule cut to their window on the
-  nodes' depths (``depth[q] - depth[k] < window``): one mask for a model whose layers all slide (Mistral), one per
-  layer kind, as a mapping, for one that mixes them (Qwen2, Gemma 2).
+* flash attention takes no mask, only ``cu_seqlens`` of disjoint sequences: each segment of the tree runs against
+  the gathered keys of its own root path through the variable-length kernel (:mod:`lit_grpo.core.tree_flash`).
+  A model with chunked layers, whose chunks a custom mask would replace, keeps the copies layout, as does flex
+  attention on a sliding-window model (:func:`tree_supported`). Sliding-window layers under sdpa and eager take the
+  rule cut to their window on the nodes' depths (``depth[q] - depth[k] < window``): one mask for a model whose layers
+  all slide (Mistral), one per layer kind, as a mapping, for one that mixes them (Qwen2, Gemma 2); flash attention
+  applies each layer's own window to the gathered keys, which sit at consecutive depths.
 
 Cost: ``T`` = the tree's nodes, at most ``sum over distinct prompts of their length + sum over rows of (completion
 - 1)`` (what :func:`lit_grpo.core.micro_batch_plan.tree_tokens` budgets), against the copies layout's ``sum over
@@ -50,6 +52,7 @@ from torch import nn
 
 from lit_grpo.core.batch import MicroBatch, real_lengths
 from lit_grpo.core.tree_attention import tree_attention_mask, tree_block_mask
+from lit_grpo.core.tree_flash import segments_forward, tree_flash_unsupported, tree_segments, uses_flash
 
 #: attention implementations that accept a custom 4D mask (sdpa, eager) or a ``BlockMask`` (flex)
 TREE_ATTENTION = ("sdpa", "eager", "flex_attention")
@@ -78,8 +81,10 @@ def tree_supported(config: object, model: nn.Module | None = None) -> str | None
     as a mapping (checked in its source; without ``model`` it is refused). Flex attention's ``BlockMask`` has no
     window here: it takes full-attention models only."""
     attn = getattr(config, "_attn_implementation", None)
+    if uses_flash(attn):  # no mask: segments through the varlen kernel
+        return tree_flash_unsupported(config, model)
     if attn not in TREE_ATTENTION:
-        return f"a prefix tree needs a custom attention mask, which {attn!r} takes none of"
+        return f"a prefix tree needs a custom attention mask or flash attention, which {attn!r} is neither"
     windows = tree_windows(config, model)
     if isinstance(windows, str):
         return windows
@@ -219,6 +224,9 @@ def tree_forward(model: nn.Module, attn: str, layout: TreeLayout, dense: bool = 
     No cache: the mask is the only thing keeping branches apart."""
     from lit_grpo.core.chunked_head import unwrapped_model
 
+    if uses_flash(attn):  # no mask: the segments ride in the kwargs (lit_grpo.core.tree_flash)
+        return segments_forward(model, unwrapped_model(model), layout.input_ids, layout.position_ids,
+                                tree_segments(layout.subtree_end), **head)
     dtype, depth = model.get_input_embeddings().weight.dtype, layout.position_ids[0]
     windows = tree_windows(unwrapped_model(model).config, unwrapped_model(model))
     if isinstance(windows, dict):  # one mask per layer kind, as the decoder's own mapping holds them

@@ -121,8 +121,9 @@ class GRPOModule(L.LightningModule):
         packing: run each micro-batch's log-prob passes (policy, pi_ref, the TV monitor) as one packed row without
             padding. Under sdpa, eager and flex attention the row is a prefix tree: each group's prompt once, its
             completions as branches, turns that trajectories share once, with a mask letting each token see its own
-            path only (``lit_grpo.core.prefix_tree``). Under flash attention (and for sliding-window models) each
-            completion carries its own copy of its prompt and the variable-length kernel keeps them apart
+            path only (``lit_grpo.core.prefix_tree``); under flash attention the same tree runs each segment
+            against its own root path through the variable-length kernel (``lit_grpo.core.tree_flash``). Where
+            the tree cannot run (chunked layers) each completion carries its own copy of its prompt
             (``lit_grpo.core.packing``). Log-probs equal the padded path's within 1e-5 in float32. A model that
             cannot pack is refused when the module is made. Set ``data.micro_batch_tokens`` with it: the budget then
             bounds each packed row (its layout's tokens, no padding); without one a packed row
