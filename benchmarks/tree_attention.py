@@ -9,7 +9,9 @@ completions of ``--length`` tokens each), laid out by ``lit_grpo.core.prefix_tre
 value are random ``[1, heads, T, head_dim]`` float32 tensors (SmolLM2-135M's 9 heads of 64 by default, its key-value
 heads repeated as transformers' sdpa path does under a mask). Timed: the forward, and the backward of the output's
 sum, once each after a warm-up on a small tree. Also printed: the (query, key) pairs each path scores, against the
-pairs the tree's rule allows, and the largest difference of the output and of the gradients from the dense path.
+pairs the tree's rule allows, and the largest difference of the output and of the gradients from the dense path;
+and flash attention's layout of the same tree (``lit_grpo.core.tree_flash``: its segments, the key rows they
+gather and the pairs its causal kernel scores), counted, not timed (its kernel needs a GPU).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lit_grpo.core.prefix_tree import tree_layout
     from lit_grpo.core.tree_attention import block_attention, query_blocks, tree_attention_mask
+    from lit_grpo.core.tree_flash import tree_segments
 
     end = tree_layout(uneven_micro_batch(args.prompts, args.group, args.length, args.length, 49152, 0)).subtree_end
     size = end.numel()
@@ -71,6 +74,13 @@ def main(argv: list[str] | None = None) -> None:
     block_attention(*warm, query_blocks(small, 8)).sum().backward()
     print(f"tree of {args.prompts} x {args.group} x {args.length}: T = {size}, {args.heads} heads of "
           f"{args.head_dim}, float32, {torch.get_num_threads()} threads; the rule allows {allowed:,} pairs")
+    segments = tree_segments(end)  # flash attention's layout (a GPU's kernel: counted here, not timed)
+    lengths_q = (segments.cu_seqlens_q[1:] - segments.cu_seqlens_q[:-1]).tolist()
+    lengths_k = (segments.cu_seqlens_k[1:] - segments.cu_seqlens_k[:-1]).tolist()
+    flash_pairs = sum(q * kk - q * (q - 1) // 2 for q, kk in zip(lengths_q, lengths_k))  # bottom-right causal
+    print(f"flash segments: {len(lengths_q)}, gathered key rows {segments.kv_index.numel():,} "
+          f"({segments.kv_index.numel() / size:.2f} x T), pairs {flash_pairs:,} ({flash_pairs / allowed:.2f} x "
+          "allowed)")
     print(f"{'path':>16} {'pairs scored':>15} {'x allowed':>10} {'forward s':>10} {'backward s':>11} {'total s':>8} "
           f"{'max |diff|':>11}")
     reference = None
