@@ -160,18 +160,25 @@ def test_the_tree_holds_in_bf16(attn: str, precision: str) -> None:
     torch.testing.assert_close(tree[real], padded[real], atol=1e-2, rtol=0)
 
 
-def test_without_the_tree_mask_branches_see_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The equality rests on the mask: with plain causal attention over the layout, a branch attends to its
-    siblings laid out before it and the numbers differ."""
+@pytest.mark.parametrize("path", ["dense mask", "blocks"])
+def test_without_the_tree_rule_branches_see_each_other(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The equality rests on the rule: with plain causal attention over the layout (the dense mask's rule replaced;
+    for the blocks, the whole row taken for one segment, so no block stops at a branch end), a branch attends to
+    its siblings laid out before it and the numbers differ."""
     import lit_grpo.core.tree_attention as tree_attention
 
     model = llama("sdpa").eval()
     mb = uneven_micro_batch(seed=0)
     real = mb.completion_mask.bool()
-    monkeypatch.setattr(tree_attention, "may_attend", lambda queries, keys, *rest: keys[None, :] <= queries[:, None])
+    if path == "dense mask":
+        monkeypatch.setattr(tree_attention, "may_attend",
+                            lambda queries, keys, *rest: keys[None, :] <= queries[:, None])
+    else:
+        monkeypatch.setattr(tree_attention, "segment_starts",
+                            lambda end: torch.arange(end.numel(), device=end.device) == 0)
     with torch.no_grad():
         padded, _ = completion_logprobs(model, mb, 1.0)
-        leaking, _ = packed_completion_logprobs(model, mb, 1.0, layout="packed_tree")
+        leaking, _ = packed_completion_logprobs(model, mb, 1.0, layout="packed_tree", dense_mask=path == "dense mask")
     assert (leaking[real] - padded[real]).abs().max() > 1e-3
 
 

@@ -14,7 +14,13 @@ import lit_grpo.core.tree_attention as tree_attention
 from lit_grpo.core.batch import left_pad, micro_batch_views
 from lit_grpo.core.packing import packed_completion_logprobs
 from lit_grpo.core.prefix_tree import tree_layout
-from lit_grpo.core.tree_attention import block_attention, query_blocks, tree_attention_mask, tree_block_mask
+from lit_grpo.core.tree_attention import (
+    block_attention,
+    query_blocks,
+    segment_starts,
+    tree_attention_mask,
+    tree_block_mask,
+)
 
 
 def tree_end(seed: int = 0) -> torch.Tensor:
@@ -49,6 +55,37 @@ def test_blocks_cover_exactly_the_dense_rule(block_size: int, window: int | None
         if window is not None:
             assert bool((depth[block.keys] > int(depth[block.start:block.end].min()) - window).all())
     assert torch.equal(covered, tree_attention_mask(end, depth, window))
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 1000])
+def test_a_plain_block_sees_every_ancestor_then_itself_causally(block_size: int) -> None:
+    """Without a window no block crosses a branch end, so its rule is every ancestor for every query, then causal
+    over the block: what the CPU kernel computes without a mask (the flag ``plain``)."""
+    end = tree_end(0)
+    starts = segment_starts(end)
+    assert 2 < int(starts.sum()) < end.numel()  # branches, and chains longer than one node
+    for block in query_blocks(end, block_size):
+        queries = block.end - block.start
+        assert block.plain and not bool(starts[block.start + 1:block.end].any())
+        ancestors = block.keys.numel() - queries
+        expected = torch.cat([torch.ones(queries, ancestors, dtype=torch.bool),
+                              torch.ones(queries, queries, dtype=torch.bool).tril()], dim=1)
+        assert torch.equal(block.mask[0, 0], expected)
+    assert not any(b.plain for b in query_blocks(end, 4, tree_layout(uneven_micro_batch(seed=0, multi_turn=True))
+                                                 .position_ids[0], window=3))
+
+
+@pytest.mark.parametrize(("window", "dtype"), [(None, torch.float32), (3, torch.float32), (None, torch.bfloat16)])
+def test_without_grad_the_kernel_calls_equal_the_dense_mask(window: int | None, dtype: torch.dtype) -> None:
+    """The passes that record no graph (pi_ref, alpha's recompute) call the CPU kernel directly, plain or masked."""
+    layout = tree_layout(uneven_micro_batch(seed=0, multi_turn=True))
+    end, depth = layout.subtree_end, layout.position_ids[0]
+    q, k, v = (t.detach() for t in random_qkv(end.numel(), heads=6, dtype=dtype))
+    with torch.no_grad():
+        dense = F.scaled_dot_product_attention(q, k, v, attn_mask=tree_attention_mask(end, depth, window)[None, None],
+                                               enable_gqa=True)
+        blocks = block_attention(q, k, v, query_blocks(end, 5, depth, window), enable_gqa=True)
+    torch.testing.assert_close(blocks.float(), dense.float(), atol=TOL if dtype == torch.float32 else 2e-2, rtol=0)
 
 
 def random_qkv(size: int, heads: int = 3, kv_heads: int = 3, dim: int = 8, dtype=torch.float32):  # noqa: ANN001, ANN201

@@ -2,13 +2,16 @@
 root path, gathered, instead of sdpa over a dense ``T x T`` mask.
 
 A pre-order tree (:mod:`lit_grpo.core.prefix_tree`) lets query ``q`` see key ``k`` iff ``k <= q < subtree_end[k]``.
-Cut the nodes into contiguous blocks of queries ``[q0, q1)``. The keys any query of a block may see are the
-ancestors of ``q0`` (every ``k < q0`` with ``subtree_end[k] > q0``: an ancestor ``k < q0`` of a later query
-``q`` of the block has ``q0`` inside its subtree ``[k, subtree_end[k])`` too) and the block's own nodes. Each
-block gathers those keys and runs sdpa with the tree's rule restricted to them, a ``Lq x (depth + Lq)`` mask, so a
-micro-batch of ``G`` completions of ``C`` tokens after a prompt of ``P`` costs ``G C (P + C)`` scores instead of
-``(P + G C)^2``. For one row it is causal attention over ``prompt + completion``: the same numbers as the dense
-mask within the kernels' rounding (a block sums over fewer masked keys).
+Cut each segment of the tree (a chain between branch points, :func:`segment_starts`) into contiguous blocks of
+queries ``[q0, q1)``. Within a chain every query of the block descends from ``q0``, so each sees every ancestor
+of ``q0`` (every ``k < q0`` with ``subtree_end[k] > q0``) and, causally, the block's own nodes: the rule needs no
+mask. On a CPU a block runs the flash kernel twice without one, causal over its own keys (a contiguous slice,
+whose masked half the kernel skips) and against its gathered ancestors, merged by the two log-sum-exps in float32,
+so a micro-batch of ``G`` completions of ``C`` tokens after a prompt of ``P`` scores about ``G C (P + C / 2)``
+pairs, the rule's own count, instead of the dense mask's ``(P + G C)^2``. Elsewhere, and under a sliding window
+(whose rule cuts the ancestors per query), a block runs sdpa once with the rule restricted to its keys as its mask.
+For one row it is causal attention over ``prompt + completion``: the same numbers as the dense mask within the
+kernels' rounding.
 
 How it reaches the model: :func:`tree_block_mask` returns a 4D boolean tensor of shape ``[1, 1, T, T]`` (one
 element, expanded: no memory) of a subclass whose ``__torch_function__`` answers
@@ -21,8 +24,9 @@ warning: slow, never wrong.
 Memory: the backward does not keep each block's gathered keys and values (``blocks x (depth + Lq)`` of them would
 be many times the layer's own); a custom autograd function saves the query, key and value once and gathers a
 block's keys again in the backward, accumulating their gradients in float32. On a CPU it runs the flash kernel
-sdpa runs there, per block, and keeps its output and log-sum-exp for that kernel's backward; elsewhere the
-backward recomputes each block's forward first (one more attention forward).
+sdpa runs there, per block, and keeps its output and log-sum-exp for that kernel's backward, which each of a
+block's two parts takes with the merged ones; elsewhere the backward recomputes each block's forward first (one
+more attention forward).
 """
 
 from __future__ import annotations
@@ -33,42 +37,62 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-#: queries per block: small enough that a block's keys stay close to its queries' own root paths (a block that
-#: crosses a branch end also gathers the ending branch), large enough that the per-block cost (a gather and one
-#: sdpa call per layer) stays small. One layer's attention forward and backward over a tree of 2 prompts x 8
-#: completions of 2,048 tokens (T = 32,924; 9 heads of 64), one CPU core: 9.2 s in blocks of 64, 7.1 s of 128,
-#: 6.3 s of 256, 6.9 s of 512; the blocks of 256 compute 1.23x the pairs the rule allows (64: 1.06x).
-DEFAULT_BLOCK_SIZE = 256
+#: queries per block without a window (``plain`` blocks: no mask; on a CPU the kernel skips the causal half of a
+#: block's own keys, so a large block wastes nothing): one layer's attention forward and backward over a tree of 2
+#: prompts x 8 completions of 2,048 tokens (T = 32,924; 9 heads of 64), one CPU core, beside the masked blocks of
+#: the commit before in one run (each on its own core): 3.04 s in blocks of 256, 2.92 s of 512, 2.70 s of 1,024,
+#: against 3.67 s for the masked blocks of 256 (docs/speed.md)
+DEFAULT_BLOCK_SIZE = 1024
+#: queries per block under a sliding window, whose blocks take a mask (``block x keys`` of it, every pair scored):
+#: small enough that a block's keys stay close to its queries' own windows; the masked blocks of the table above
+#: took 6.3 s in blocks of 256 against 9.2 s of 64 and 6.9 s of 512
+WINDOW_BLOCK_SIZE = 256
 
 
 @dataclass(frozen=True)
 class QueryBlock:
-    """One block of queries ``[start, end)``, the nodes it may attend to (``keys``, ascending) and the rule
-    restricted to them (``mask[i, j]``: query ``start + i`` may see key ``keys[j]``)."""
+    """One block of queries ``[start, end)``, the nodes it may attend to (``keys``, ascending: the ancestors of
+    ``start``, then the block itself) and the rule restricted to them (``mask[i, j]``: query ``start + i`` may see
+    key ``keys[j]``). ``plain``: the rule is every ancestor for every query, then causal over the block, so a kernel
+    needs no mask (blocks within one segment, no window)."""
 
     start: int
     end: int
     keys: torch.Tensor  # [Lk] long
     mask: torch.Tensor  # [1, 1, Lq, Lk] bool
+    plain: bool = False
+
+
+def segment_starts(subtree_end: torch.Tensor) -> torch.Tensor:
+    """``[T]`` booleans, True where a node starts a segment of the pre-order tree: a maximal chain in which each node
+    is its predecessor's only child. Node ``k`` continues the chain iff ``subtree_end[k - 1] == subtree_end[k]``
+    (``k - 1``'s subtree is itself and ``k``'s)."""
+    starts = torch.ones(subtree_end.shape, dtype=torch.bool, device=subtree_end.device)
+    starts[1:] = subtree_end[1:] != subtree_end[:-1]
+    return starts
 
 
 def query_blocks(subtree_end: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, depth: torch.Tensor | None = None,
                  window: int | None = None) -> tuple[QueryBlock, ...]:
-    """The blocks of a pre-order tree given ``subtree_end`` (``[T]``, one past each node's last descendant); with a
-    sliding ``window`` (and each node's ``depth``) a block keeps only the ancestors some query of it still sees."""
+    """The blocks of a pre-order tree given ``subtree_end`` (``[T]``, one past each node's last descendant): each
+    segment (:func:`segment_starts`) cut into blocks of at most ``block_size`` queries, so that no block crosses a
+    branch end. With a sliding ``window`` (and each node's ``depth``) a block keeps only the ancestors some query of
+    it still sees, and its rule needs a mask; without one every block is ``plain``."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     size = subtree_end.numel()
     nodes = torch.arange(size, device=subtree_end.device)
+    bounds = torch.nonzero(segment_starts(subtree_end))[:, 0].tolist() + [size]
     blocks = []
-    for start in range(0, size, block_size):
-        end = min(start + block_size, size)
-        ancestors = nodes[:start][subtree_end[:start] > start]
-        if window is not None:  # the shallowest query of the block sees back to depth - window + 1
-            ancestors = ancestors[depth[ancestors] > int(depth[start:end].min()) - window]
-        keys = torch.cat([ancestors, nodes[start:end]])
-        rule = may_attend(nodes[start:end], keys, subtree_end, depth, window)
-        blocks.append(QueryBlock(start, end, keys, rule[None, None]))
+    for first, last in zip(bounds[:-1], bounds[1:]):
+        for start in range(first, last, block_size):
+            end = min(start + block_size, last)
+            ancestors = nodes[:start][subtree_end[:start] > start]
+            if window is not None:  # the shallowest query of the block sees back to depth - window + 1
+                ancestors = ancestors[depth[ancestors] > int(depth[start:end].min()) - window]
+            keys = torch.cat([ancestors, nodes[start:end]])
+            rule = may_attend(nodes[start:end], keys, subtree_end, depth, window)
+            blocks.append(QueryBlock(start, end, keys, rule[None, None], plain=window is None))
     return tuple(blocks)
 
 
@@ -135,21 +159,43 @@ class _BlockAttention(torch.autograd.Function):
         return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype), None, None, None
 
 
+def _cpu_block_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, b: QueryBlock,
+                       scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block through the CPU flash kernel: its output and each query's log-sum-exp. A ``plain`` block runs
+    without a mask, in two calls: causal over the block's own keys (a contiguous slice; the kernel skips the
+    masked half) and every query against the gathered ancestors, merged by their log-sum-exps in float32, the
+    combination split-key attention uses (flash-decoding); a block with a window runs once, with its mask."""
+    rows = slice(b.start, b.end)
+    if not b.plain:
+        return _CPU_FLASH(query[:, :, rows], key.index_select(2, b.keys), value.index_select(2, b.keys), 0.0, False,
+                          attn_mask=_additive(b, query.dtype), scale=scale)
+    own, own_lse = _CPU_FLASH(query[:, :, rows], key[:, :, rows], value[:, :, rows], 0.0, True, scale=scale)
+    ancestors = _ancestors(b)
+    if ancestors.numel() == 0:
+        return own, own_lse
+    past, past_lse = _CPU_FLASH(query[:, :, rows], key.index_select(2, ancestors), value.index_select(2, ancestors),
+                                0.0, False, scale=scale)
+    lse = torch.logaddexp(past_lse.float(), own_lse.float())
+    out = (past.float() * (past_lse - lse).exp()[..., None] + own.float() * (own_lse - lse).exp()[..., None])
+    return out.to(query.dtype), lse.to(own_lse.dtype)
+
+
+def _ancestors(b: QueryBlock) -> torch.Tensor:
+    """The keys of a block before its own nodes."""
+    return b.keys[: b.keys.numel() - (b.end - b.start)]
+
+
 class _CpuBlockAttention(torch.autograd.Function):
     """On a CPU: per block, the flash kernel sdpa itself runs there (``_scaled_dot_product_flash_attention_for_cpu``,
     the same numbers), which also returns each query's log-sum-exp; the backward hands the saved output and
     log-sum-exp to the kernel's own backward instead of recomputing the block's forward (about a fifth of the
-    attention's time at 2 x 8 x 2,048 tokens)."""
+    attention's time at 2 x 8 x 2,048 tokens). A ``plain`` block's two parts each take the kernel's backward with
+    the merged output and log-sum-exp: their probabilities are the merged softmax's, so the parts' gradients sum
+    to the block's."""
 
     @staticmethod
     def forward(ctx, query, key, value, blocks, scale):  # noqa: ANN001, ANN205 - autograd's signature
-        outputs, lses = [], []
-        for b in blocks:
-            out, lse = _CPU_FLASH(query[:, :, b.start:b.end], key.index_select(2, b.keys),
-                                  value.index_select(2, b.keys), 0.0, False, attn_mask=_additive(b, query.dtype),
-                                  scale=scale)
-            outputs.append(out)
-            lses.append(lse)
+        outputs, lses = zip(*(_cpu_block_forward(query, key, value, b, scale) for b in blocks))
         output = torch.cat(outputs, dim=2)
         ctx.save_for_backward(query, key, value, output, torch.cat(lses, dim=2))
         ctx.blocks, ctx.scale = blocks, scale
@@ -163,12 +209,28 @@ class _CpuBlockAttention(torch.autograd.Function):
         grad_v = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
         for b in ctx.blocks:
             rows = slice(b.start, b.end)
-            dq, dk, dv = _CPU_FLASH_BACKWARD(
-                grad_out[:, :, rows], query[:, :, rows], key.index_select(2, b.keys), value.index_select(2, b.keys),
-                output[:, :, rows], lse[:, :, rows], 0.0, False, attn_mask=_additive(b, query.dtype), scale=ctx.scale)
+            block = (grad_out[:, :, rows], query[:, :, rows])
+            saved = (output[:, :, rows], lse[:, :, rows])
+            if not b.plain:
+                dq, dk, dv = _CPU_FLASH_BACKWARD(*block, key.index_select(2, b.keys), value.index_select(2, b.keys),
+                                                 *saved, 0.0, False, attn_mask=_additive(b, query.dtype),
+                                                 scale=ctx.scale)
+                grad_k.index_add_(2, b.keys, dk.float())
+                grad_v.index_add_(2, b.keys, dv.float())
+                grad_q[:, :, rows] = dq
+                continue
+            dq, dk, dv = _CPU_FLASH_BACKWARD(*block, key[:, :, rows], value[:, :, rows], *saved, 0.0, True,
+                                             scale=ctx.scale)
+            grad_k[:, :, rows] += dk.float()
+            grad_v[:, :, rows] += dv.float()
+            if (ancestors := _ancestors(b)).numel():
+                dq_past, dk, dv = _CPU_FLASH_BACKWARD(*block, key.index_select(2, ancestors),
+                                                      value.index_select(2, ancestors), *saved, 0.0, False,
+                                                      scale=ctx.scale)
+                dq = (dq.float() + dq_past.float()).to(dq.dtype)
+                grad_k.index_add_(2, ancestors, dk.float())
+                grad_v.index_add_(2, ancestors, dv.float())
             grad_q[:, :, rows] = dq
-            grad_k.index_add_(2, b.keys, dk.float())
-            grad_v.index_add_(2, b.keys, dv.float())
         return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype), None, None
 
 
@@ -186,7 +248,8 @@ def _additive(block: QueryBlock, dtype: torch.dtype) -> torch.Tensor:
 def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: tuple[QueryBlock, ...],
                     scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """sdpa of ``query`` ``[B, H, T, D]`` against ``key``/``value`` ``[B, H', T, D]`` over the tree's blocks."""
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if not grad and query.device.type != "cpu":
         return _blocks_forward(query, key, value, blocks, scale, enable_gqa)
     if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16):
         if enable_gqa:  # the kernel takes equal heads: repeat the key-value heads, as sdpa's math path does
@@ -196,7 +259,11 @@ def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             dtype = torch.get_autocast_dtype("cpu")
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         with torch.autocast("cpu", enabled=False):
+            if not grad:
+                return torch.cat([_cpu_block_forward(query, key, value, b, scale)[0] for b in blocks], dim=2)
             return _CpuBlockAttention.apply(query, key, value, blocks, scale)
+    if not grad:
+        return _blocks_forward(query, key, value, blocks, scale, enable_gqa)
     return _BlockAttention.apply(query, key, value, blocks, scale, enable_gqa)
 
 
@@ -253,11 +320,12 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
 def tree_block_mask(subtree_end: torch.Tensor, block_size: int | None = None, depth: torch.Tensor | None = None,
                     window: int | None = None) -> TreeBlockMask:
     """The mask to pass a model whose attention is sdpa, in place of the dense ``[1, 1, T, T]`` one, in blocks of
-    ``block_size`` queries (None: :data:`DEFAULT_BLOCK_SIZE`, read at the call); ``window``: a sliding window over
-    the nodes' ``depth``."""
+    ``block_size`` queries (None: :data:`DEFAULT_BLOCK_SIZE`, with a window :data:`WINDOW_BLOCK_SIZE`); ``window``: a
+    sliding window over the nodes' ``depth``."""
     size = subtree_end.numel()
     mask = torch.ones((), dtype=torch.bool, device=subtree_end.device).expand(1, 1, size, size)
     mask = mask.as_subclass(TreeBlockMask)
-    mask.blocks = query_blocks(subtree_end, block_size or DEFAULT_BLOCK_SIZE, depth, window)
+    default = DEFAULT_BLOCK_SIZE if window is None else WINDOW_BLOCK_SIZE  # read at the call (tests patch them)
+    mask.blocks = query_blocks(subtree_end, block_size or default, depth, window)
     mask.subtree_end, mask.depth, mask.window = subtree_end, depth, window
     return mask

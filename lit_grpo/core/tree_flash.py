@@ -3,7 +3,7 @@ variable-length kernel, with no mask at all (the layout of TRL 1.16's ``experime
 
 Flash attention takes no custom mask, only ``cu_seqlens`` of disjoint query and key sequences. Cut the pre-order
 tree (:mod:`lit_grpo.core.prefix_tree`) into segments: maximal chains in which each node is its predecessor's only
-child, so node ``k`` starts a new segment unless ``subtree_end[k - 1] == subtree_end[k]``. A segment's queries see
+child (:func:`lit_grpo.core.tree_attention.segment_starts`). A segment's queries see
 the ancestors of its first node and the segment itself, in depth order; gathered into one key sequence per
 segment, that is causal attention aligned to the bottom right (query ``i`` of ``Lq`` sees key ``j`` of ``Lk`` iff
 ``j <= i + Lk - Lq``), which is what flash-attn's varlen kernel computes with ``causal=True`` (since 2.1; older
@@ -60,12 +60,12 @@ class TreeSegments:
 def tree_segments(subtree_end: torch.Tensor) -> TreeSegments:
     """The segments of a pre-order tree given ``subtree_end`` (``[T]``, one past each node's last descendant),
     computed on the host (one transfer) and returned on ``subtree_end``'s device."""
+    from lit_grpo.core.tree_attention import segment_starts
+
     end = subtree_end.cpu()
     size = end.numel()
     nodes = torch.arange(size)
-    starts_new = torch.ones(size, dtype=torch.bool)
-    starts_new[1:] = end[1:] != end[:-1]  # equal: node k is node k - 1's only child, the chain goes on
-    starts = nodes[starts_new].tolist() + [size]
+    starts = nodes[segment_starts(end)].tolist() + [size]
     paths = [torch.cat([nodes[:a][end[:a] > a], nodes[a:b]]) for a, b in zip(starts[:-1], starts[1:])]
     q_lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
     k_lengths = [path.numel() for path in paths]
