@@ -43,10 +43,11 @@ import torch.nn.functional as F
 #: the commit before in one run (each on its own core): 3.04 s in blocks of 256, 2.92 s of 512, 2.70 s of 1,024,
 #: against 3.67 s for the masked blocks of 256 (docs/speed.md)
 DEFAULT_BLOCK_SIZE = 1024
-#: queries per block under a sliding window, whose blocks take a mask (``block x keys`` of it, every pair scored):
-#: small enough that a block's keys stay close to its queries' own windows; the masked blocks of the table above
-#: took 6.3 s in blocks of 256 against 9.2 s of 64 and 6.9 s of 512
-WINDOW_BLOCK_SIZE = 256
+#: queries per block where a block takes a mask (``block x keys`` of it, every pair scored): under a sliding window,
+#: and off a CPU (another device's sdpa returns no log-sum-exp to merge two parts by); small enough that the mask's
+#: causal half stays small. The masked blocks took 6.3 s in blocks of 256 against 9.2 s of 64 and 6.9 s of 512
+#: (one core, the same tree)
+MASKED_BLOCK_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -320,12 +321,13 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
 def tree_block_mask(subtree_end: torch.Tensor, block_size: int | None = None, depth: torch.Tensor | None = None,
                     window: int | None = None) -> TreeBlockMask:
     """The mask to pass a model whose attention is sdpa, in place of the dense ``[1, 1, T, T]`` one, in blocks of
-    ``block_size`` queries (None: :data:`DEFAULT_BLOCK_SIZE`, with a window :data:`WINDOW_BLOCK_SIZE`); ``window``: a
-    sliding window over the nodes' ``depth``."""
+    ``block_size`` queries (None: :data:`DEFAULT_BLOCK_SIZE` on a CPU, :data:`MASKED_BLOCK_SIZE` with a window or on
+    another device); ``window``: a sliding window over the nodes' ``depth``."""
     size = subtree_end.numel()
     mask = torch.ones((), dtype=torch.bool, device=subtree_end.device).expand(1, 1, size, size)
     mask = mask.as_subclass(TreeBlockMask)
-    default = DEFAULT_BLOCK_SIZE if window is None else WINDOW_BLOCK_SIZE  # read at the call (tests patch them)
+    plain = window is None and subtree_end.device.type == "cpu"  # see block_attention: masks elsewhere
+    default = DEFAULT_BLOCK_SIZE if plain else MASKED_BLOCK_SIZE  # read at the call (tests patch them)
     mask.blocks = query_blocks(subtree_end, block_size or default, depth, window)
     mask.subtree_end, mask.depth, mask.window = subtree_end, depth, window
     return mask
